@@ -1,0 +1,33 @@
+# Fresh machine: `make run` or `make test`. Both create .venv and install everything they need.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+
+.PHONY: run test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	# torch first and pinned: a CPU wheel here; nothing later may pull a CUDA build.
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/inflight run blackjack
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest -q
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,155 @@
+"""Typed containers that cross component boundaries (engine, rollouts, buffer, trainer).
+
+Imports nothing from the project. Per-token lists are aligned with the token stream they describe;
+shape notes use T for tokens of one sequence.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled. Validated on construction; errors name the field."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # same seed + prompt + weights -> same tokens
+    stop: tuple[str, ...] = ()  # stop when the decoded completion contains one of these
+    stop_token_ids: tuple[int, ...] = ()  # stop after sampling one of these (kept in the output)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        # Accept lists from callers but store tuples so the params stay hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def truncates_distribution(self) -> bool:
+        """True when top-p/top-k change the behaviour distribution away from softmax(logits / T)."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class SampleRequest:
+    prompt_token_ids: list[int]  # [P]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=new_id)
+
+
+@dataclass
+class Completion:
+    """What the engine produced for one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # [P]
+    token_ids: list[int]  # [T] generated tokens (a stop token is included)
+    logprobs: list[float]  # [T] log-prob of each sampled token under the distribution it was sampled from
+    versions: list[int]  # [T] policy version of the weights that produced each token
+    finish_reason: FinishReason
+    text: str | None = None  # decoded completion, when the engine has a tokenizer
+
+
+@dataclass
+class Rollout:
+    """One training sample: a whole (possibly multi-turn) episode as a single token stream.
+
+    Position t of every per-token list describes token_ids[t]. Prompt and environment tokens have
+    loss_mask False, logprob 0.0 and version -1.
+    """
+
+    token_ids: list[int]  # [T]
+    loss_mask: list[bool]  # [T] True where the policy generated the token (trained on)
+    logprobs: list[float]  # [T] behaviour log-prob of generated tokens
+    versions: list[int]  # [T] policy version per generated token, -1 elsewhere
+    reward: float
+    group_id: str = ""
+    finish_reason: FinishReason = "stop"
+    metrics: dict[str, float] = field(default_factory=dict)  # env counters, e.g. format_errors
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n:
+            raise ValueError(
+                f"Rollout per-token lists must all have length {n} (token_ids): loss_mask="
+                f"{len(self.loss_mask)} logprobs={len(self.logprobs)} versions={len(self.versions)}"
+            )
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def min_version(self) -> int:
+        gen = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return min(gen) if gen else -1
+
+    @property
+    def max_version(self) -> int:
+        gen = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return max(gen) if gen else -1
+
+
+@dataclass
+class RolloutGroup:
+    """The rollouts sampled for one prompt: the unit GRPO computes advantages over."""
+
+    group_id: str
+    rollouts: list[Rollout]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+    @property
+    def is_informative(self) -> bool:
+        """False when all rewards are equal: the group carries no GRPO signal."""
+        return len(set(self.rewards)) > 1
+
+
+@dataclass
+class TrainSample:
+    """A rollout after the advantage step: what the trainer consumes. The trainer never sees rewards."""
+
+    token_ids: list[int]  # [T]
+    loss_mask: list[float]  # [T] per-token weight, 0 for prompt/environment tokens
+    behaviour_logprobs: list[float]  # [T] sampler log-probs (0 where masked)
+    advantages: list[float]  # [T] per-token advantage (0 where masked)
+    versions: list[int]  # [T] policy version per token (-1 where masked)
+
+    @classmethod
+    def from_rollout(cls, rollout: Rollout, advantage: float) -> TrainSample:
+        mask = [1.0 if m else 0.0 for m in rollout.loss_mask]
+        return cls(
+            token_ids=list(rollout.token_ids),
+            loss_mask=mask,
+            behaviour_logprobs=list(rollout.logprobs),
+            advantages=[advantage * m for m in mask],
+            versions=list(rollout.versions),
+        )
+
+
+@dataclass
+class WeightUpdate:
+    """A full set of policy weights tagged with the version (optimizer steps applied) that made them."""
+
+    version: int
+    state_dict: dict  # name -> torch.Tensor (kept untyped here so types.py does not import torch)
