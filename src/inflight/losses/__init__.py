@@ -1,0 +1,55 @@
+"""Pure loss math for RL on LLMs: logits -> log-probs, rewards -> advantages, per-token policy losses under
+Tinker's names, truncated IS, KL estimators and reductions. Imports nothing from the project.
+"""
+
+from inflight.losses.advantages import (
+    ADVANTAGE_METHODS,
+    AdvantageMethod,
+    batch_group_advantages,
+    group_advantages,
+)
+from inflight.losses.importance import off_policy_stats, truncated_is_weights
+from inflight.losses.kl import KL_ESTIMATORS, KLEstimator, kl_k1, kl_k2, kl_k3
+from inflight.losses.logprobs import entropy_from_logits, token_logprobs
+from inflight.losses.policy import (
+    CLIP_DEFAULTS,
+    LOSSES,
+    LossFn,
+    LossInputs,
+    LossOutputs,
+    LossParams,
+    cispo,
+    cross_entropy,
+    importance_sampling,
+    ppo,
+)
+from inflight.losses.reductions import REDUCTIONS, Reduction, reduce_loss
+
+__all__ = [
+    "ADVANTAGE_METHODS",
+    "CLIP_DEFAULTS",
+    "KL_ESTIMATORS",
+    "LOSSES",
+    "REDUCTIONS",
+    "AdvantageMethod",
+    "KLEstimator",
+    "LossFn",
+    "LossInputs",
+    "LossOutputs",
+    "LossParams",
+    "Reduction",
+    "batch_group_advantages",
+    "cispo",
+    "cross_entropy",
+    "entropy_from_logits",
+    "group_advantages",
+    "importance_sampling",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "off_policy_stats",
+    "ppo",
+    "reduce_loss",
+    "token_logprobs",
+    "truncated_is_weights",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks with recorded results; each module has `main(argv) -> dict` and prints one JSON line last."""

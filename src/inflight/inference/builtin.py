@@ -1,0 +1,277 @@
+"""The built-in engine: request lifecycle (waiting -> cache row -> finished), stop conditions, per-token
+versions and weight swaps between steps. The forward pass is in `qwen2.py`, sampling in `sampling.py`.
+One driver thread calls step()/generate(); add_request, abort and update_weights are thread-safe.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from inflight.inference.qwen2 import ModelRunner, ModelSpec, Weights
+from inflight.inference.sampling import sample
+from inflight.types import Completion, FinishReason, SampleRequest, WeightUpdate
+
+
+class BuiltinEngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(default=64, ge=1)  # cache rows = sequences decoded together
+    # Prompt + completion: the cache length; a sequence that reaches it stops with "length".
+    max_seq_len_tokens: int = Field(default=1024, ge=2)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # weights, activations and KV cache
+    seed: int = 0  # the generator of requests without their own seed
+    # "keep": sequences in flight keep the K/V computed by older weights across an update.
+    # "recompute" (re-prefill them with the new weights) comes later.
+    kv_policy: Literal["keep"] = "keep"
+
+
+@dataclass
+class _Sequence:
+    request: SampleRequest
+    generator: torch.Generator | None  # None: draws from the engine's generator
+    num_cached: int = 0  # positions whose K/V are in the cache; the last sampled token is not yet
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    stop_text: str | None = None  # the completion text cut before the stop string that ended it
+
+
+class BuiltinEngine:
+    """Continuous-batching engine on CPU over a Qwen2/Llama/Qwen3-architecture HF model (weights copied).
+
+    Stops only where asked: add the EOS id to `SamplingParams.stop_token_ids` to stop at EOS.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, config: BuiltinEngineConfig | None = None) -> None:
+        self.config = config or BuiltinEngineConfig()
+        self._dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
+        spec = ModelSpec.from_hf_config(model.config)
+        state_dict = model.state_dict()
+        self._param_shapes = {name: tuple(t.shape) for name, t in state_dict.items()}
+        with torch.inference_mode():
+            weights = Weights.from_state_dict(state_dict, spec, self._dtype)
+            self._runner = ModelRunner(
+                spec, weights, self.config.max_batch_size, self.config.max_seq_len_tokens
+            )
+        self._tokenizer = tokenizer
+        self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._version = 0
+        self._running: list[_Sequence] = []  # index = cache row; rows 0..n-1 are exactly the active ones
+        # Shared with other threads, under _lock:
+        self._lock = threading.Lock()
+        self._waiting: deque[SampleRequest] = deque()
+        self._in_flight: set[str] = set()  # request ids waiting or running
+        self._aborts: set[str] = set()
+        self._pending: tuple[int, Weights] | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def add_request(self, request: SampleRequest) -> None:
+        self._validate(request)
+        with self._lock:
+            if request.request_id in self._in_flight:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            self._in_flight.add(request.request_id)
+            self._waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request at the next step with reason "abort" (ignored if it is no longer in flight)."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[Completion]:
+        if self.has_unfinished():
+            raise RuntimeError("generate() drives the engine alone; with requests in flight use step()")
+        for request in requests:
+            self._validate(request)
+        for request in requests:
+            self.add_request(request)
+        done: dict[str, Completion] = {}
+        while self.has_unfinished():
+            done.update((c.request_id, c) for c in self.step())
+        return [done[r.request_id] for r in requests]
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Validate and copy now, in the caller's thread; the next step() installs them. Latest call wins."""
+        self._check_names(update)
+        with torch.inference_mode():
+            weights = Weights.from_state_dict(update.state_dict, self._runner.spec, self._dtype)
+        with self._lock:
+            self._pending = (update.version, weights)
+
+    @torch.inference_mode()
+    def step(self) -> list[Completion]:
+        """schedule -> execute -> update; returns the requests that finished in this step."""
+        finished, num_new = self._schedule()
+        if self._running:
+            token_ids, logprobs = self._execute(num_new)
+            finished += self._update(token_ids, logprobs)
+        return finished
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """[T] log p(token_t | tokens_<t) at temperature 1, current weights; [0] is NaN (no prefix)."""
+        self._validate(SampleRequest(prompt_token_ids=token_ids), room_for_completion=False)
+        logprobs = torch.log_softmax(self._runner.full_logits(token_ids)[:-1], dim=-1)
+        targets = torch.tensor(token_ids[1:], dtype=torch.long)[:, None]
+        return [math.nan, *logprobs.gather(1, targets).squeeze(1).tolist()]
+
+    def _schedule(self) -> tuple[list[Completion], int]:
+        """Apply a pending update and aborts, then admit waiting requests into free rows (appended last)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            aborts, self._aborts = self._aborts, set()
+            aborted = [r for r in self._waiting if r.request_id in aborts]
+            for request in aborted:
+                self._waiting.remove(request)
+            free = self.config.max_batch_size - len(self._running)
+            admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        if pending is not None:
+            # Between two decode steps, in one assignment: a step never mixes two versions.
+            self._version, self._runner.weights = pending
+        finished = [self._finish(_Sequence(r, None), "abort") for r in aborted]
+        for request_id in aborts:
+            row = next((i for i, s in enumerate(self._running) if s.request.request_id == request_id), None)
+            if row is not None:
+                finished.append(self._free_row(row, "abort"))
+        for request in admitted:
+            seed = request.params.seed
+            generator = None if seed is None else torch.Generator().manual_seed(seed)
+            self._running.append(_Sequence(request, generator))
+        return finished, len(admitted)
+
+    def _execute(self, num_new: int) -> tuple[Tensor, Tensor]:
+        """Decode one token for rows admitted earlier, prefill the newcomers, sample for all rows."""
+        num_old = len(self._running) - num_new
+        old, new = self._running[:num_old], self._running[num_old:]
+        logits = []
+        if old:
+            tokens = torch.tensor([s.token_ids[-1] for s in old])
+            positions = torch.tensor([s.num_cached for s in old])
+            logits.append(self._runner.decode(tokens, positions))
+            for s in old:
+                s.num_cached += 1
+        if new:
+            logits.append(self._runner.prefill([s.request.prompt_token_ids for s in new], row0=num_old))
+            for s in new:
+                s.num_cached = len(s.request.prompt_token_ids)
+        return sample(
+            torch.cat(logits) if len(logits) > 1 else logits[0],
+            [s.request.params for s in self._running],
+            [s.generator for s in self._running],
+            self._generator,
+        )
+
+    def _update(self, token_ids: Tensor, logprobs: Tensor) -> list[Completion]:
+        finishing: list[tuple[int, FinishReason]] = []
+        rows = zip(self._running, token_ids.tolist(), logprobs.tolist(), strict=True)
+        for row, (seq, token, logprob) in enumerate(rows):
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self._version)
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                finishing.append((row, reason))
+        # Highest row first: the last active row, moved into a freed one, is then never finishing itself.
+        return [self._free_row(row, reason) for row, reason in reversed(finishing)]
+
+    def _stop_reason(self, seq: _Sequence) -> FinishReason | None:
+        params = seq.request.params
+        if seq.token_ids[-1] in params.stop_token_ids:
+            return "stop"
+        if params.stop and self._ends_with_stop_string(seq):
+            return "stop"
+        total = len(seq.request.prompt_token_ids) + len(seq.token_ids)
+        if len(seq.token_ids) >= params.max_tokens or total >= self.config.max_seq_len_tokens:
+            return "length"
+        return None
+
+    def _ends_with_stop_string(self, seq: _Sequence) -> bool:
+        """A new match must involve the newest token, so only a tail is decoded each step (a character
+        spans at most 4 byte-level tokens); on a hit the whole completion is decoded and cut there."""
+        stops = seq.request.params.stop
+        window = 4 * max(len(s) for s in stops) + 4
+        tail = self._tokenizer.decode(seq.token_ids[-window:], skip_special_tokens=True)
+        if not any(s in tail for s in stops):
+            return False
+        text = self._tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            seq.stop_text = text[: min(hits)]
+        return bool(hits)
+
+    def _free_row(self, row: int, reason: FinishReason) -> Completion:
+        """Finish the sequence in `row` and keep rows contiguous by moving the last active row into it."""
+        seq, last = self._running[row], len(self._running) - 1
+        if row != last:
+            moved = self._running[last]
+            self._runner.move_row(last, row, moved.num_cached)
+            self._running[row] = moved
+        self._running.pop()
+        return self._finish(seq, reason)
+
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> Completion:
+        with self._lock:
+            self._in_flight.discard(seq.request.request_id)
+        text = seq.stop_text
+        if text is None and self._tokenizer is not None:
+            text = self._tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        return Completion(
+            request_id=seq.request.request_id,
+            prompt_token_ids=seq.request.prompt_token_ids,
+            token_ids=seq.token_ids,
+            logprobs=seq.logprobs,
+            versions=seq.versions,
+            finish_reason=reason,
+            text=text,
+        )
+
+    def _validate(self, request: SampleRequest, room_for_completion: bool = True) -> None:
+        prompt, rid = request.prompt_token_ids, request.request_id
+        if not prompt:
+            raise ValueError(f"request {rid}: prompt_token_ids is empty")
+        limit = self.config.max_seq_len_tokens - (1 if room_for_completion else 0)
+        if len(prompt) > limit:
+            raise ValueError(
+                f"request {rid}: prompt has {len(prompt)} tokens, more than the {limit} that "
+                f"max_seq_len_tokens={self.config.max_seq_len_tokens} allows; raise "
+                "BuiltinEngineConfig.max_seq_len_tokens or shorten the prompt"
+            )
+        vocab = self._runner.spec.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"request {rid}: prompt token ids must lie in [0, {vocab})")
+        if request.params.stop and self._tokenizer is None:
+            raise ValueError(
+                f"request {rid}: stop strings need a tokenizer: BuiltinEngine(model, tokenizer=...)"
+            )
+
+    def _check_names(self, update: WeightUpdate) -> None:
+        given, expected = set(update.state_dict), set(self._param_shapes)
+        optional = {"lm_head.weight"} if self._runner.spec.tie_word_embeddings else set()
+        missing, unknown = sorted(expected - given - optional), sorted(given - expected)
+        if missing or unknown:
+            raise ValueError(
+                f"WeightUpdate v{update.version}: missing names {missing}, unknown names {unknown}"
+            )
+        wrong = [
+            f"{name} {tuple(t.shape)} (expected {self._param_shapes[name]})"
+            for name, t in update.state_dict.items()
+            if tuple(t.shape) != self._param_shapes[name]
+        ]
+        if wrong:
+            raise ValueError(f"WeightUpdate v{update.version}: wrong shapes: {wrong}")

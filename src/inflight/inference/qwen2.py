@@ -1,0 +1,246 @@
+"""The engine's own Qwen2/Llama/Qwen3 forward pass over a weight snapshot, with a preallocated KV cache.
+
+Owns the numerics (it must match HF's full-sequence forward in float32) and the cache layout; it knows
+nothing about requests, sampling or versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# attend(layer, q [b, t, H, D], k [b, t, KV, D], v [b, t, KV, D]) -> [b, t, H * D]
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only model, read from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelSpec:
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"BuiltinEngine supports only the default RoPE, got rope_type={rope_type!r}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"BuiltinEngine supports only SwiGLU (hidden_act='silu'), got {config.hidden_act!r}"
+            )
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"BuiltinEngine supports only full attention, got layer_types={layer_types}")
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    # q/k/v and gate/up are fused into one matmul each (rows: q heads, k heads, v heads; gate, up).
+    input_norm: Tensor
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    q_norm: Tensor | None  # Qwen3-style per-head norms
+    k_norm: Tensor | None
+    o_proj: Tensor
+    o_bias: Tensor | None
+    post_norm: Tensor
+    gate_up: Tensor
+    down: Tensor
+
+
+@dataclass(frozen=True)
+class Weights:
+    """An immutable snapshot: the engine swaps the whole object, so a step never mixes two versions."""
+
+    embed: Tensor
+    layers: tuple[LayerWeights, ...]
+    norm: Tensor
+    lm_head: Tensor
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, Tensor], spec: ModelSpec, dtype: torch.dtype) -> Weights:
+        """Copies (cat/to always allocate), so the caller may keep mutating its own tensors."""
+
+        used: set[str] = set()
+
+        def get(name: str) -> Tensor:
+            used.add(name)
+            return sd[name].detach().to(device="cpu", dtype=dtype, copy=True)  # the engine runs on CPU
+
+        def optional(names: list[str]) -> Tensor | None:  # biases and Qwen3's norms exist in some models
+            return torch.cat([get(n) for n in names]) if names[0] in sd else None
+
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+            layers.append(
+                LayerWeights(
+                    input_norm=get(p + "input_layernorm.weight"),
+                    qkv=torch.cat([get(n + ".weight") for n in qkv]),
+                    qkv_bias=optional([n + ".bias" for n in qkv]),
+                    q_norm=optional([p + "self_attn.q_norm.weight"]),
+                    k_norm=optional([p + "self_attn.k_norm.weight"]),
+                    o_proj=get(p + "self_attn.o_proj.weight"),
+                    o_bias=optional([p + "self_attn.o_proj.bias"]),
+                    post_norm=get(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                    down=get(p + "mlp.down_proj.weight"),
+                )
+            )
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if spec.tie_word_embeddings else get("lm_head.weight")
+        norm = get("model.norm.weight")
+        # Tied models: HF lists lm_head.weight too (the same tensor as the embedding); it is not read.
+        unsupported = sorted(set(sd) - used - {"lm_head.weight"})
+        if unsupported:
+            raise ValueError(f"BuiltinEngine does not support these parameters: {unsupported}")
+        return cls(embed=embed, layers=tuple(layers), norm=norm, lm_head=lm_head)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.dtype == torch.float32:  # the fused kernel is bitwise equal to HF's formula in float32
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # HF's order of operations: normalise in float32, cast back, then scale.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class ModelRunner:
+    """Prefill and decode over cache rows; `weights` is replaced wholesale by the engine."""
+
+    def __init__(self, spec: ModelSpec, weights: Weights, max_batch_size: int, max_seq_len: int) -> None:
+        self.spec, self.weights, self.max_seq_len = spec, weights, max_seq_len
+        dtype = weights.embed.dtype
+        shape = (max_batch_size, spec.num_kv_heads, max_seq_len, spec.head_dim)
+        # k_cache[layer][row, kv_head, position]: active sequences occupy rows 0..n-1.
+        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
+        # Same formula as HF's default rotary embedding, computed once in float32 for every position.
+        d = spec.head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.positions = torch.arange(max_seq_len)
+
+    def prefill(self, prompts: list[list[int]], row0: int | None) -> Tensor:
+        """Logits [b, V] (float32) at each prompt's last token; writes KV rows row0.. (None: no cache)."""
+        b, t = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(b, t, dtype=torch.long)  # right padding: causality alone hides the pad keys
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        last = torch.tensor([len(p) - 1 for p in prompts])
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, t, D]
+            if row0 is not None:
+                self.k_cache[layer][row0 : row0 + b, :, :t] = k
+                self.v_cache[layer][row0 : row0 + b, :, :t] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2).reshape(b, t, -1)
+
+        w = self.weights  # one snapshot for the whole pass
+        h = self._layers(w, ids, self.cos[:t], self.sin[:t], attend)
+        return self._logits(w, h[torch.arange(b), last])
+
+    def full_logits(self, token_ids: list[int]) -> Tensor:
+        """Logits [T, V] (float32) at every position of one sequence; the cache is untouched."""
+        t = len(token_ids)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2).reshape(1, t, -1)
+
+        w = self.weights
+        return self._logits(
+            w, self._layers(w, torch.tensor([token_ids]), self.cos[:t], self.sin[:t], attend)[0]
+        )
+
+    def decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """One token for each of rows 0..n-1 at its own position; returns logits [n, V] (float32)."""
+        n, span = tokens.shape[0], int(positions.max()) + 1
+        kv, d = self.spec.num_kv_heads, self.spec.head_dim
+        rep = self.spec.num_heads // kv
+        # Flat index of (row, kv head, position) in a cache viewed as [rows * kv heads * positions, D].
+        heads = torch.arange(n)[:, None] * kv + torch.arange(kv)
+        slots = (heads * self.max_seq_len + positions[:, None]).flatten()
+        # Length mask as an additive bias per (row, kv head, query head of the group): row i attends to its
+        # positions 0..positions[i]; cache entries beyond are stale or empty.
+        beyond = (self.positions[:span] > positions[:, None]).view(n, 1, 1, span)
+        bias = torch.zeros(beyond.shape, dtype=self.cos.dtype).masked_fill_(beyond, float("-inf"))
+        bias = bias.expand(n, kv, rep, span).reshape(n * kv, rep, span)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = self.k_cache[layer], self.v_cache[layer]
+            kc.view(-1, d).index_copy_(0, slots, k.reshape(-1, d))
+            vc.view(-1, d).index_copy_(0, slots, v.reshape(-1, d))
+            # GQA without copying K/V: the rep query heads of a kv head act as rep query positions of one
+            # (row, kv head) batch entry. Plain bmm: for one query token it beats SDPA's flash kernel.
+            keys = kc[:n, :, :span].reshape(n * kv, span, d)
+            scores = torch.baddbmm(bias, q.reshape(n * kv, rep, d), keys.transpose(1, 2), alpha=d**-0.5)
+            probs = scores.softmax(dim=-1, dtype=torch.float32).to(vc.dtype)  # float32, like HF's eager
+            return torch.bmm(probs, vc[:n, :, :span].reshape(n * kv, span, d)).reshape(n, 1, -1)
+
+        w = self.weights
+        h = self._layers(w, tokens[:, None], self.cos[positions], self.sin[positions], attend)
+        return self._logits(w, h[:, 0])
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
+            kc[dst, :, :length] = kc[src, :, :length]
+            vc[dst, :, :length] = vc[src, :, :length]
+
+    def _layers(self, w: Weights, ids: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        """Embedding and decoder layers over ids [b, t]; cos/sin [t or b, D] broadcast to [b, t, 1, D]."""
+        spec = self.spec
+        b, t = ids.shape
+        nh, nkv, d, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
+        cos, sin = cos.view(-1, t, 1, d), sin.view(-1, t, 1, d)
+        x = F.embedding(ids, w.embed)
+        for i, lw in enumerate(w.layers):
+            qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.qkv, lw.qkv_bias).view(b, t, nh + 2 * nkv, d)
+            qk, v = qkv.split([nh + nkv, nkv], dim=2)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q, k = qk.split([nh, nkv], dim=2)
+                qk = torch.cat([rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)], dim=2)
+            q, k = rotate(qk, cos, sin).split([nh, nkv], dim=2)  # q and k heads rotated in one pass
+            x = x + F.linear(attend(i, q, k, v), lw.o_proj, lw.o_bias)
+            gate, up = F.linear(rms_norm(x, lw.post_norm, eps), lw.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.down)
+        return x
+
+    def _logits(self, w: Weights, h: Tensor) -> Tensor:
+        return F.linear(rms_norm(h, w.norm, self.spec.rms_norm_eps), w.lm_head).float()

@@ -1,0 +1,67 @@
+"""Importance weights between trainer and sampler: truncated IS weights and the off-policy diagnostics
+(ratio statistics, effective sample size, log-prob mismatch). Knows nothing of which loss uses them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def truncated_is_weights(logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
+    """Detached truncated importance weights min(exp(lp - q), cap) [B,T].
+
+    Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+    You Off-Policy RL Training"): even with identical weights, the sampler (vLLM, bf16 kernels) and the
+    trainer assign different probabilities, so samples are off-policy. Multiplying each token's policy
+    loss by pi_trainer / pi_sampler corrects that, and the cap bounds the variance of rare tokens the
+    sampler under-weighted. `logprobs` [B,T] are the trainer's: under the weights that generated the
+    samples when it has them (the paper's pi_old), else under the current weights.
+    """
+    if not cap > 0:
+        raise ValueError(f"truncated IS cap must be > 0, got {cap}")
+    return torch.exp(logprobs.detach() - behaviour_logprobs.detach()).clamp(max=cap)
+
+
+def masked_mean(values: Tensor, active: Tensor) -> Tensor:
+    """Mean of `values` over the `active` (bool) positions; 0 when none is active. 0-dim tensor."""
+    num_active = active.sum()
+    return torch.where(active, values, 0.0).sum() / num_active.clamp_min(1)
+
+
+def off_policy_stats(logprobs: Tensor, behaviour_logprobs: Tensor, active: Tensor) -> dict[str, Tensor]:
+    """Trainer-vs-sampler diagnostics over the `active` [B,T] tokens, as detached 0-dim tensors.
+
+    r = exp(lp - q) is the raw per-token importance ratio (before any clipping or truncation).
+    - is_weight_mean / is_weight_min / is_weight_max: statistics of r.
+    - ess: effective sample size as a fraction, (sum r)^2 / (N sum r^2), in (0, 1]; 1 when on-policy.
+    - logprob_diff_mean_abs / logprob_diff_max_abs: mean and max of |lp - q|, the log-prob parity gap.
+    - num_tokens: N, the number of active tokens (weight for averaging these over micro-batches).
+    All are 0 when no token is active.
+    """
+    active = active.bool()
+    num_active = active.sum()
+    any_active = num_active > 0
+    log_ratio = torch.where(active, logprobs.detach() - behaviour_logprobs.detach(), 0.0).double()
+    ratio = log_ratio.exp()  # 1 at inactive positions, which the sums below exclude
+    ratio_sum = torch.where(active, ratio, 0.0).sum()
+    ratio_sq_sum = torch.where(active, ratio.square(), 0.0).sum()
+    ess = ratio_sum.square() / (num_active * ratio_sq_sum).clamp_min(torch.finfo(torch.float64).tiny)
+    zero = torch.zeros((), dtype=torch.float64, device=logprobs.device)
+    return {
+        "is_weight_mean": masked_mean(ratio, active),
+        "is_weight_min": torch.where(any_active, torch.where(active, ratio, torch.inf).amin(), zero),
+        "is_weight_max": torch.where(any_active, torch.where(active, ratio, -torch.inf).amax(), zero),
+        "ess": ess,
+        "logprob_diff_mean_abs": masked_mean(log_ratio.abs(), active),
+        "logprob_diff_max_abs": log_ratio.abs().amax() if log_ratio.numel() else zero,
+        "num_tokens": num_active.double(),
+    }
+
+
+def to_floats(stats: dict[str, Tensor]) -> dict[str, float]:
+    """Detached 0-dim tensors -> python floats with one device sync."""
+    if not stats:
+        return {}
+    values = torch.stack([value.detach().double() for value in stats.values()]).tolist()
+    return dict(zip(stats, values, strict=True))

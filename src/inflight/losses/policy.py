@@ -1,0 +1,195 @@
+"""Per-token policy losses under Tinker's names, one signature: `fn(LossInputs, LossParams) -> LossOutputs`.
+
+Pure tensors in and out; knows nothing of models, micro-batches or how the per-token loss is reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from inflight.losses.importance import masked_mean, off_policy_stats, to_floats, truncated_is_weights
+
+# Per-loss defaults of Tinker's `loss_fn_config` ratio thresholds (reference/tinker-api.md §7.3).
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """Per-token tensors, all [B,T] and aligned to target positions."""
+
+    logprobs: Tensor  # [B,T] trainer log-probs lp of the target tokens; carries grad
+    mask: Tensor  # [B,T] float per-token weights w (Tinker's `weights`); 0 = ignore the token
+    behaviour_logprobs: Tensor | None = None  # [B,T] sampler log-probs q (Tinker's `logprobs` input)
+    advantages: Tensor | None = None  # [B,T] advantage A of each token (its rollout's, usually)
+    # [B,T] trainer log-probs under the weights that generated the samples (no grad), when the trainer
+    # still has them; makes truncated IS decoupled (see `_anchor_logprobs`). Not a Tinker input.
+    proximal_logprobs: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossParams:
+    """Tinker's `loss_fn_config` plus truncated IS; None means the loss's own default."""
+
+    clip_low_threshold: float | None = None  # ratio threshold (not epsilon): ppo 0.8, cispo 0.0
+    clip_high_threshold: float | None = None  # ratio threshold: ppo 1.2, cispo 4.0
+    tis_cap: float | None = None  # truncated IS cap C (RL losses only); see `_anchor_logprobs`
+
+    def clip_thresholds(self, loss_name: str) -> tuple[float, float]:
+        default_low, default_high = CLIP_DEFAULTS[loss_name]
+        low = default_low if self.clip_low_threshold is None else self.clip_low_threshold
+        high = default_high if self.clip_high_threshold is None else self.clip_high_threshold
+        if not 0.0 <= low <= high:
+            raise ValueError(
+                f"{loss_name} needs 0 <= clip_low_threshold <= clip_high_threshold, got {low}, {high}"
+            )
+        return low, high
+
+
+@dataclass(frozen=True)
+class LossOutputs:
+    per_token: Tensor  # [B,T] loss per token, already multiplied by the mask; reduce it to a scalar
+    # Detached python floats over the unmasked tokens: `off_policy_stats`, plus clip fractions (ppo,
+    # cispo) and tis_clip_fraction (when tis_cap is set).
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+LossFn = Callable[[LossInputs, LossParams], LossOutputs]
+
+
+def _check_shapes(inputs: LossInputs) -> None:
+    for name in ("mask", "behaviour_logprobs", "advantages", "proximal_logprobs"):
+        value = getattr(inputs, name)
+        if value is not None and value.shape != inputs.logprobs.shape:
+            raise ValueError(f"{name} {tuple(value.shape)} != logprobs {tuple(inputs.logprobs.shape)}")
+
+
+@dataclass(frozen=True)
+class _PolicyTerms:
+    """What every RL loss needs. Masked positions are neutralised (ratio 1, advantage 0, TIS weight 1) so
+    that whatever they hold (padding, inf, NaN) cannot leak into values or gradients through 0 * inf."""
+
+    ratio: Tensor  # [B,T] policy ratio r = exp(lp - anchor); carries grad
+    advantages: Tensor  # [B,T]
+    tis_weights: Tensor | None  # [B,T] detached, or None when the loss is Tinker's exactly
+    active: Tensor  # [B,T] bool, mask != 0
+    stats: dict[str, Tensor]  # 0-dim detached tensors, turned into metrics once at the end
+
+
+def _require(value: Tensor | None, name: str, loss_name: str) -> Tensor:
+    if value is None:
+        raise ValueError(f"loss {loss_name!r} needs `{name}` (got None)")
+    return value
+
+
+def _anchor_logprobs(inputs: LossInputs) -> Tensor:
+    """The log-probs the policy ratio is taken against when truncated IS is on (Tinker's: q).
+
+    Tinker's losses use r = exp(lp - q). Truncated IS (Yao et al. 2025) splits the correction instead:
+    loss(r = exp(lp - anchor)) * min(exp(anchor - q), C), where anchor is the trainer's log-probs under
+    the sampling weights (`proximal_logprobs`; with them this is decoupled PPO, Hilton et al. 2021,
+    arXiv:2110.00641). If the trainer no longer has those weights, anchor = stopgrad(lp): r is 1 in value
+    with gradient grad(lp), so importance_sampling becomes the truncated IS policy gradient
+    -min(exp(lp - q), C) A grad(lp), and ppo's clip is inactive (one optimizer step per batch).
+    Multiplying Tinker's r = exp(lp - q) by the TIS weight instead would correct the mismatch twice.
+    """
+    if inputs.proximal_logprobs is not None:
+        return inputs.proximal_logprobs.detach()
+    return inputs.logprobs.detach()
+
+
+def _policy_terms(inputs: LossInputs, params: LossParams, loss_name: str) -> _PolicyTerms:
+    behaviour = _require(inputs.behaviour_logprobs, "behaviour_logprobs", loss_name)
+    advantages = _require(inputs.advantages, "advantages", loss_name)
+    _check_shapes(inputs)
+    lp = inputs.logprobs
+    active = inputs.mask != 0
+    # Inactive positions: q := anchor := lp (ratio 1), A := 0.
+    behaviour = torch.where(active, behaviour.detach(), lp.detach())
+    stats = off_policy_stats(lp, behaviour, active)
+    anchor, tis_weights = behaviour, None
+    if inputs.proximal_logprobs is not None or params.tis_cap is not None:
+        anchor = torch.where(active, _anchor_logprobs(inputs), lp.detach())
+        cap = params.tis_cap if params.tis_cap is not None else torch.inf  # proximal without a cap
+        tis_weights = truncated_is_weights(anchor, behaviour, cap)
+        if params.tis_cap is not None:
+            stats["tis_clip_fraction"] = masked_mean(torch.exp(anchor - behaviour) > cap, active)
+    return _PolicyTerms(
+        ratio=torch.exp(lp - anchor),
+        advantages=torch.where(active, advantages, 0.0),
+        tis_weights=tis_weights,
+        active=active,
+        stats=stats,
+    )
+
+
+def _finish(per_token: Tensor, inputs: LossInputs, terms: _PolicyTerms) -> LossOutputs:
+    if terms.tis_weights is not None:
+        per_token = per_token * terms.tis_weights
+    return LossOutputs(per_token=per_token * inputs.mask, metrics=to_floats(terms.stats))
+
+
+def _clip_stats(clipped_low: Tensor, clipped_high: Tensor, active: Tensor) -> dict[str, Tensor]:
+    return {
+        "clip_fraction": masked_mean(clipped_low | clipped_high, active),
+        "clip_low_fraction": masked_mean(clipped_low, active),
+        "clip_high_fraction": masked_mean(clipped_high, active),
+    }
+
+
+def cross_entropy(inputs: LossInputs, params: LossParams) -> LossOutputs:
+    """-w * lp. Weights may be any float (Tinker's forward_backward_custom sends -dC/dlp)."""
+    _check_shapes(inputs)
+    num_tokens = (inputs.mask != 0).sum().double()
+    return LossOutputs(
+        per_token=-inputs.mask * inputs.logprobs, metrics=to_floats({"num_tokens": num_tokens})
+    )
+
+
+def importance_sampling(inputs: LossInputs, params: LossParams) -> LossOutputs:
+    """-r * A (REINFORCE with importance weights); gradient -r * A * w * grad(lp). No clipping."""
+    terms = _policy_terms(inputs, params, "importance_sampling")
+    return _finish(-terms.ratio * terms.advantages, inputs, terms)
+
+
+def ppo(inputs: LossInputs, params: LossParams) -> LossOutputs:
+    """-min(r * A, clip(r, low, high) * A) (Schulman et al. 2017, arXiv:1707.06347)."""
+    low, high = params.clip_thresholds("ppo")
+    terms = _policy_terms(inputs, params, "ppo")
+    ratio, advantages = terms.ratio, terms.advantages
+    per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+    # A token is clipped when the min picks the clipped branch and its gradient is zero: the ratio left
+    # [low, high] in the direction its advantage pushes (below low with A < 0, above high with A > 0).
+    # Leaving it the other way keeps the unclipped, pessimistic branch and its gradient: not clipped.
+    ratio = ratio.detach()
+    clipped_low = terms.active & (advantages < 0) & (ratio < low)
+    clipped_high = terms.active & (advantages > 0) & (ratio > high)
+    terms.stats.update(_clip_stats(clipped_low, clipped_high, terms.active))
+    return _finish(per_token, inputs, terms)
+
+
+def cispo(inputs: LossInputs, params: LossParams) -> LossOutputs:
+    """-stopgrad(clip(r, low, high)) * lp * A (MiniMax-M1, arXiv:2506.13585); clips the IS weight, never
+    drops a token's gradient."""
+    low, high = params.clip_thresholds("cispo")
+    terms = _policy_terms(inputs, params, "cispo")
+    ratio = terms.ratio.detach()
+    per_token = -ratio.clamp(low, high) * inputs.logprobs * terms.advantages
+    # A token is clipped when the clip changed its gradient weight: r outside [low, high] and A != 0
+    # (with A == 0 the term is 0 whatever the weight).
+    nonzero_advantage = terms.active & (terms.advantages != 0)
+    clipped_low = nonzero_advantage & (ratio < low)
+    clipped_high = nonzero_advantage & (ratio > high)
+    terms.stats.update(_clip_stats(clipped_low, clipped_high, terms.active))
+    return _finish(per_token, inputs, terms)
+
+
+LOSSES: dict[str, LossFn] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+}

@@ -1,0 +1,74 @@
+"""Load a causal LM and its tokenizer from a local Hugging Face directory or a hub id, one code path.
+
+Models are returned as loaded (train/eval mode, device and threads are the caller's decisions).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from inflight.errors import UserError
+
+
+def _looks_like_path(name_or_path: str | Path) -> bool:
+    # Hub ids are "name" or "org/name"; anything absolute, relative-dotted, home-based, deeper or existing
+    # on disk (a file given by mistake) is a path.
+    if isinstance(name_or_path, Path):
+        return True
+    text = str(name_or_path)
+    return text.startswith(("/", ".", "~")) or text.count("/") >= 2 or Path(text).exists()
+
+
+def _build_hint(path: str) -> str:
+    return f"build one with `inflight model tiny --out {path}`"
+
+
+def resolve(name_or_path: str | Path) -> str:
+    """Return an existing local directory or a hub id; raise UserError for a path that is not a directory."""
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return str(local)
+    if _looks_like_path(name_or_path):
+        problem = "is not a directory" if local.exists() else "does not exist"
+        raise UserError(f"model directory {str(local)!r} {problem}: {_build_hint(str(local))}")
+    return str(name_or_path)
+
+
+def _load_error(name: str, exc: OSError) -> UserError:
+    # A bare "org/name" that is neither a local dir nor reachable on the hub ends here; say both readings.
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UserError(
+        f"cannot load {name!r} as a local model directory or a Hugging Face hub id ({reason}); "
+        f"for a local tiny model, {_build_hint('DIR')}"
+    )
+
+
+def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A causal LM from a local directory (safetensors) or a hub id, with weights in `dtype`.
+
+    transformers puts the model in eval mode; call `.train()` to train it.
+    """
+    name = resolve(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except OSError as exc:
+        raise _load_error(name, exc) from exc
+    return model
+
+
+def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a model (tokenizer.json + tokenizer_config.json, chat template included)."""
+    name = resolve(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except OSError as exc:
+        raise _load_error(name, exc) from exc
+    return tokenizer
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameter elements (a tied matrix counts once)."""
+    return sum(parameter.numel() for parameter in model.parameters())

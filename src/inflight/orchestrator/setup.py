@@ -1,0 +1,67 @@
+"""Build what a run needs from its RunConfig: model directory, tokenizer, trainer, engine, run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from inflight.config import RunConfig
+from inflight.errors import UserError
+from inflight.trainer import Trainer, TrainerConfig
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("INFLIGHT_CACHE", Path.home() / ".cache" / "inflight"))
+
+
+def resolve_model(cfg: RunConfig) -> str:
+    """The model's directory or hub id; builds (once, cached) the tiny model when no path is given."""
+    if cfg.model.path:
+        return cfg.model.path
+    from inflight.models import build_tiny
+
+    target = cache_dir() / "models" / f"tiny-{cfg.model.tiny_preset}-seed{cfg.model.tiny_seed}"
+    if not (target / "config.json").is_file():
+        # Build beside the target and rename: concurrent runs never see a half-written model.
+        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny(tmp, preset=cfg.model.tiny_preset, seed=cfg.model.tiny_seed)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race; its copy is byte-identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def make_run_dir(cfg: RunConfig) -> Path:
+    path = Path(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    return path
+
+
+def load_policy(cfg: RunConfig) -> tuple[torch.nn.Module, object]:
+    from inflight.models import load_model, load_tokenizer
+
+    name = resolve_model(cfg)
+    torch.manual_seed(cfg.seed)
+    return load_model(name), load_tokenizer(name)
+
+
+def build_trainer(model: torch.nn.Module, tokenizer: object, config: TrainerConfig) -> Trainer:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return Trainer(model, config, pad_id=int(pad) if pad is not None else 0)
+
+
+def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: object):  # -> BuiltinEngine
+    from inflight.inference.builtin import BuiltinEngine
+
+    if cfg.engine.max_seq_len_tokens < 8:
+        raise UserError("engine.max_seq_len_tokens is too small to hold a prompt")
+    # The engine copies the weights it is built with: trainer updates reach it only through update_weights.
+    return BuiltinEngine(model, tokenizer=tokenizer, config=cfg.engine)

@@ -1,0 +1,104 @@
+"""BlackJack on the tiny model: format warm-up, on-policy GRPO, and evaluation on 10,000 fixed hands.
+
+The summary compares the greedy policy before RL and after it with basic strategy on the same hands.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from inflight.config import EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
+from inflight.envs import make_env
+from inflight.envs.base import episode_seeds
+from inflight.envs.blackjack import basic_strategy_policy, play_hands
+from inflight.metrics.logger import MetricsLogger
+from inflight.metrics.plot import plot_run
+from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, make_run_dir
+from inflight.orchestrator.sync_loop import LoopParts, train
+from inflight.orchestrator.warmup import format_warmup
+from inflight.rollouts.chat import ChatFormat
+from inflight.rollouts.episodes import run_episodes
+from inflight.trainer import LossConfig, TrainerConfig
+from inflight.trainer.checkpoint import save_checkpoint
+from inflight.types import SamplingParams
+
+
+def preset() -> RunConfig:
+    return RunConfig(
+        recipe="blackjack",
+        trainer=TrainerConfig(
+            lr=1e-3,
+            micro_batch_size=128,
+            loss=LossConfig(name="ppo", reduction="token_mean", entropy_coef=0.05),
+        ),
+        sampling=SamplingConfig(temperature=1.0, max_tokens_per_turn=4),
+        grpo=GRPOConfig(steps=200, prompts_per_step=16, group_size=8, advantage="mean", max_turns=8),
+        warmup=WarmupConfig(sft_steps=20, sft_batch_size=64, sft_lr=1e-3),
+        eval=EvalConfig(num_episodes=10_000),
+    )
+
+
+def evaluate(parts: LoopParts, cfg: RunConfig, num_hands: int) -> float:
+    """Mean return of the greedy policy on the first `num_hands` fixed evaluation hands."""
+    seeds = episode_seeds(num_hands, cfg.eval.seed)
+    envs = [parts.make_env() for _ in seeds]
+    params = SamplingParams(max_tokens=cfg.sampling.max_tokens_per_turn, temperature=0.0)
+    rollouts = run_episodes(
+        parts.engine, envs, seeds, ["eval"] * len(seeds), parts.chat, params, cfg.grpo.max_turns
+    )
+    return statistics.fmean(r.reward for r in rollouts)
+
+
+def main(cfg: RunConfig) -> dict:
+    t0 = time.perf_counter()
+    run_dir = make_run_dir(cfg)
+    logger = MetricsLogger(run_dir)
+    model, tokenizer = load_policy(cfg)
+    chat = ChatFormat(tokenizer)
+
+    def new_env():
+        return make_env(cfg.env.name, **cfg.env.kwargs)
+
+    trainer = build_trainer(model, tokenizer, cfg.trainer)
+    if cfg.warmup.sft_steps:
+        format_warmup(model, trainer.pad_id, chat, new_env, cfg, logger)
+        trainer = build_trainer(model, tokenizer, cfg.trainer)  # fresh optimizer; reference = warmed-up model
+    parts = LoopParts(build_engine(cfg, model, tokenizer), trainer, chat, new_env)
+
+    return_initial = evaluate(parts, cfg, cfg.eval.num_episodes)
+    logger.log(0, {"return": return_initial}, phase="eval")
+    history = train(
+        parts,
+        cfg,
+        logger,
+        str(run_dir),
+        lambda: {"return": evaluate(parts, cfg, cfg.eval.num_episodes_during)},
+    )
+    return_final = evaluate(parts, cfg, cfg.eval.num_episodes)
+    logger.log(len(history), {"return": return_final}, phase="eval")
+    basic = statistics.fmean(
+        play_hands(basic_strategy_policy, episode_seeds(cfg.eval.num_episodes, cfg.eval.seed))
+    )
+
+    save_checkpoint(trainer, run_dir / "checkpoint", extra={"step": len(history)})
+    rewards = [h["reward_mean"] for h in history]
+    tenth = max(1, len(rewards) // 10)
+    summary = {
+        "recipe": cfg.recipe,
+        "steps": len(history),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "eval_hands": cfg.eval.num_episodes,
+        "return_initial": round(return_initial, 4),
+        "return_final": round(return_final, 4),
+        "return_basic_strategy": round(basic, 4),
+        "return_first10": round(statistics.fmean(rewards[:tenth]), 4) if rewards else None,
+        "return_last10": round(statistics.fmean(rewards[-tenth:]), 4) if rewards else None,
+        "run_dir": str(run_dir),
+    }
+    logger.log(len(history), summary, phase="summary")
+    logger.close()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_run(run_dir)
+    return summary

@@ -1,0 +1,61 @@
+"""The trainer's and the loss's typed configs (defaults declared once, units in names)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
+Reduction = Literal["token_sum", "token_mean", "seq_mean", "constant"]
+
+
+class LossConfig(BaseModel):
+    """Which policy loss, how it is reduced, and the regularisers added to it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: LossName = "ppo"  # Tinker's loss names
+    reduction: Reduction = "token_mean"
+    constant_normalizer: float | None = None  # only for reduction=constant (Dr.GRPO)
+    clip_low_threshold: float | None = None  # ratio thresholds; None = the loss's own default
+    clip_high_threshold: float | None = None
+    tis_cap: float | None = None  # truncated importance sampling cap (None = off)
+    entropy_coef: float = 0.0  # bonus: loss -= entropy_coef * entropy
+    kl_coef: float = 0.0  # penalty against the frozen reference model (0 = no reference model)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+
+    @model_validator(mode="after")
+    def _check(self) -> LossConfig:
+        if self.reduction == "constant" and not self.constant_normalizer:
+            raise ValueError("loss.reduction=constant needs loss.constant_normalizer > 0")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("loss.kl_coef and loss.entropy_coef must be >= 0")
+        return self
+
+
+class TrainerConfig(BaseModel):
+    """Optimizer and batching. A step is one optimizer update over all samples handed to `train_step`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = 1e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    micro_batch_size: int = 32  # samples per forward/backward; gradients accumulate across micro-batches
+    temperature: float = 1.0  # logprobs are computed at the sampling temperature (parity contract)
+    autocast_bf16: bool = False  # faster on CPUs with AMX; parity tests run in float32
+    loss: LossConfig = LossConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        if self.lr <= 0:
+            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.temperature <= 0:
+            raise ValueError("trainer.temperature must be > 0 (greedy sampling has no logprobs to correct)")
+        return self

@@ -1,0 +1,183 @@
+"""The trainer owns the policy parameters and the optimizer: micro-batching, gradient accumulation,
+the policy loss with its regularisers, and checkpoints. It never sees rewards, only advantages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inflight.losses import (
+    KL_ESTIMATORS,
+    LOSSES,
+    LossInputs,
+    LossParams,
+    entropy_from_logits,
+    reduce_loss,
+    token_logprobs,
+)
+from inflight.trainer.config import TrainerConfig
+from inflight.types import TrainSample
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors for one forward/backward. Position t holds the target token t+1 of a sample."""
+
+    input_ids: torch.Tensor  # [B, T] tokens 0..T-1 of each sample (padded)
+    attention_mask: torch.Tensor  # [B, T] 1 for real tokens
+    targets: torch.Tensor  # [B, T] token t+1 (0 where padded)
+    mask: torch.Tensor  # [B, T] loss weight of target t+1
+    behaviour_logprobs: torch.Tensor  # [B, T]
+    advantages: torch.Tensor  # [B, T]
+
+    @classmethod
+    def collate(cls, samples: Sequence[TrainSample], pad_id: int = 0) -> MicroBatch:
+        width = max(len(s.token_ids) for s in samples) - 1
+        if width < 1:
+            raise ValueError("every TrainSample needs at least 2 tokens (a context and a target)")
+
+        def pad(rows: Sequence[Sequence[float]], dtype: torch.dtype, value: float = 0) -> torch.Tensor:
+            out = torch.full((len(rows), width), value, dtype=dtype)
+            for i, row in enumerate(rows):
+                out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+            return out
+
+        return cls(
+            input_ids=pad([s.token_ids[:-1] for s in samples], torch.long, pad_id),
+            attention_mask=pad([[1] * (len(s.token_ids) - 1) for s in samples], torch.long),
+            targets=pad([s.token_ids[1:] for s in samples], torch.long),
+            mask=pad([s.loss_mask[1:] for s in samples], torch.float32),
+            behaviour_logprobs=pad([s.behaviour_logprobs[1:] for s in samples], torch.float32),
+            advantages=pad([s.advantages[1:] for s in samples], torch.float32),
+        )
+
+
+class Trainer:
+    """Policy model + AdamW. `version` counts optimizer steps applied (the policy version contract)."""
+
+    def __init__(self, model: torch.nn.Module, config: TrainerConfig, pad_id: int = 0) -> None:
+        self.model = model
+        self.config = config
+        self.pad_id = pad_id
+        self.version = 0
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        # The reference is a frozen snapshot of the weights at construction (after any warm-up the
+        # caller did before building the trainer); only kept when a KL penalty needs it.
+        self.ref_model: torch.nn.Module | None = None
+        if config.loss.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.config.autocast_bf16:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        with self._autocast():
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        return out.logits.float()
+
+    def forward_backward(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """Accumulate gradients of the loss over `samples`, in micro-batches. Returns step metrics."""
+        cfg, lcfg = self.config, self.config.loss
+        self.model.train()
+        num_tokens = float(sum(sum(s.loss_mask[1:]) for s in samples))
+        num_seqs = float(sum(1 for s in samples if any(s.loss_mask[1:])))
+        loss_fn = LOSSES[lcfg.name]
+        params = LossParams(
+            clip_low_threshold=lcfg.clip_low_threshold,
+            clip_high_threshold=lcfg.clip_high_threshold,
+            tis_cap=lcfg.tis_cap,
+        )
+        sums: dict[str, float] = defaultdict(float)  # token-weighted sums of per-micro-batch metrics
+        maxima: dict[str, float] = {}
+
+        def reduce(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return reduce_loss(
+                per_token,
+                mask,
+                lcfg.reduction,
+                constant_normalizer=lcfg.constant_normalizer,
+                num_tokens=num_tokens,
+                num_sequences=num_seqs,
+            )
+
+        for start in range(0, len(samples), cfg.micro_batch_size):
+            mb = MicroBatch.collate(samples[start : start + cfg.micro_batch_size], self.pad_id)
+            mb_tokens = float(mb.mask.sum())
+            logits = self._logits(self.model, mb)
+            lp = token_logprobs(logits, mb.targets, temperature=cfg.temperature)
+            out = loss_fn(
+                LossInputs(
+                    logprobs=lp,
+                    mask=mb.mask,
+                    behaviour_logprobs=mb.behaviour_logprobs,
+                    advantages=mb.advantages,
+                ),
+                params,
+            )
+            loss = reduce(out.per_token, mb.mask)
+            entropy = entropy_from_logits(
+                logits.detach() if lcfg.entropy_coef == 0 else logits, cfg.temperature
+            )
+            if lcfg.entropy_coef > 0:
+                loss = loss - lcfg.entropy_coef * reduce(entropy * mb.mask, mb.mask)
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_lp = token_logprobs(self._logits(self.ref_model, mb), mb.targets, cfg.temperature)
+                kl = KL_ESTIMATORS[lcfg.kl_estimator](lp, ref_lp)
+                loss = loss + lcfg.kl_coef * reduce(kl * mb.mask, mb.mask)
+                sums["kl"] += float((kl.detach() * mb.mask).sum())
+            loss.backward()
+
+            sums["loss"] += float(loss.detach())  # reductions already use the step's global denominators
+            sums["entropy"] += float((entropy.detach() * mb.mask).sum())
+            for key, value in out.metrics.items():
+                if key == "num_tokens":
+                    continue
+                if key.endswith(("_max", "_max_abs")):
+                    maxima[key] = max(maxima.get(key, value), value)
+                elif key.endswith("_min"):
+                    maxima[key] = min(maxima.get(key, value), value)
+                else:
+                    sums[key] += value * mb_tokens
+        metrics = {"loss": sums.pop("loss"), "num_tokens": num_tokens, "num_samples": float(len(samples))}
+        for key, value in sums.items():
+            metrics[key] = value / max(num_tokens, 1.0)
+        metrics.update(maxima)
+        return metrics
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip, step, zero. Advances `version`."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": grad_norm}
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics = self.forward_backward(samples)
+        metrics.update(self.optim_step())
+        metrics["train_s"] = time.perf_counter() - t0
+        metrics["train_tokens_per_s"] = sum(len(s.token_ids) for s in samples) / metrics["train_s"]
+        return metrics
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The current weights by Hugging Face name, detached (the engine copies what it keeps)."""
+        return {name: t.detach() for name, t in self.model.state_dict().items()}

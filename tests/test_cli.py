@@ -1,0 +1,78 @@
+"""The command line: bad input gives one clear line and exit code 2; `--help` stays cheap.
+
+Reference: the issue's "Bad input" contract (unknown recipe, missing model directory, misspelled key).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inflight.cli import main
+from inflight.config import RunConfig, apply_overrides
+from inflight.errors import UserError
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "inflight.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_unknown_recipe_is_one_line_exit_2() -> None:
+    proc = run_cli("run", "chess")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "unknown recipe 'chess'" in proc.stderr and "blackjack" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_misspelled_key_names_the_key_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "blackjack", "trainer.lrr=1e-3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "unknown config key 'trainer.lrr'" in err
+
+
+def test_missing_model_directory_is_one_line_exit_2(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    proc = run_cli(
+        "run", "blackjack", f"model.path={missing}", "grpo.steps=1", "--run-dir", str(tmp_path / "run")
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("inflight: error")]
+    assert len(lines) == 1 and str(missing) in lines[0] and "inflight model tiny" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_value_names_the_field() -> None:
+    with pytest.raises(UserError, match=r"grpo\.group_size"):
+        apply_overrides(RunConfig(), ["grpo.group_size=1"])
+    with pytest.raises(UserError, match="key=value"):
+        apply_overrides(RunConfig(), ["grpo.steps"])
+    with pytest.raises(UserError, match=r"sampling\.temperature"):
+        apply_overrides(RunConfig(), ["sampling.temperature=0.7"])  # trainer.temperature stays 1.0
+
+
+def test_overrides_parse_types() -> None:
+    cfg = apply_overrides(
+        RunConfig(), ["trainer.lr=3e-4", "grpo.steps=7", "progress=false", "env.kwargs.x=1"]
+    )
+    assert cfg.trainer.lr == 3e-4 and cfg.grpo.steps == 7 and cfg.progress is False
+    assert cfg.env.kwargs == {"x": 1}
+
+
+def test_help_lists_commands() -> None:
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    for command in ("run", "model", "bench", "plot"):
+        assert command in proc.stdout
+
+
+def test_model_tiny_command_writes_a_model(tmp_path: Path) -> None:
+    assert main(["model", "tiny", "--out", str(tmp_path / "m"), "--seed", "3"]) == 0
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    assert (tmp_path / "m" / "tokenizer.json").is_file()
