@@ -59,9 +59,15 @@ class EnvConfig(_Config):
 
 
 class WarmupConfig(_Config):
-    """Optional supervised warm-up on the answer format (never on the task's solution)."""
+    """Optional supervised warm-up on transcripts of random legal play (never on the task's solution).
+
+    `tokens=replies` trains only the replies (the answer format); `tokens=all` is next-token
+    prediction over the whole transcript, environment text included, so a tiny model from scratch
+    learns to read the observations the way a pretrained LLM already can.
+    """
 
     sft_steps: int = 0
+    tokens: Literal["replies", "all"] = "replies"
     sft_batch_size: int = 64
     sft_lr: float = 1e-3
 

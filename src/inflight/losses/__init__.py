@@ -10,7 +10,7 @@ from inflight.losses.advantages import (
 )
 from inflight.losses.importance import off_policy_stats, truncated_is_weights
 from inflight.losses.kl import KL_ESTIMATORS, KLEstimator, kl_k1, kl_k2, kl_k3
-from inflight.losses.logprobs import entropy_from_logits, token_logprobs
+from inflight.losses.logprobs import entropy_from_logits, token_logprobs, top_k_entropy_from_logits
 from inflight.losses.policy import (
     CLIP_DEFAULTS,
     LOSSES,
@@ -51,5 +51,6 @@ __all__ = [
     "ppo",
     "reduce_loss",
     "token_logprobs",
+    "top_k_entropy_from_logits",
     "truncated_is_weights",
 ]

@@ -122,3 +122,18 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     vocab = logits.shape[-1]
     entropy_N = _Entropy.apply(logits.reshape(-1, vocab), temperature)
     return entropy_N.view(logits.shape[:-1])
+
+
+def top_k_entropy_from_logits(logits: Tensor, k: int, temperature: float = 1.0) -> Tensor:
+    """Entropy [B,T] of softmax over the k largest of logits [B,T,V] / temperature, renormalised.
+
+    An exploration bonus on the full-vocabulary entropy also pushes probability into the long tail
+    of tokens that break the answer format; restricted to the top k it spreads mass only among the
+    plausible candidates (k=2 on a two-action task is the entropy of the action choice).
+    """
+    _check_temperature(temperature)
+    if k < 2:
+        raise ValueError(f"top_k_entropy_from_logits needs k >= 2, got {k}")
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).values.to(_compute_dtype(logits)) / temperature
+    logp = torch.log_softmax(top, dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,7 +1,8 @@
-"""Supervised warm-up on the answer format: scripted episodes with random *valid* replies.
+"""Supervised warm-up on scripted episodes with random *legal* replies.
 
-It teaches the tiny random model to answer in the environment's format so that RL starts with
-signal; the replies are drawn uniformly from the legal ones, never from the task's solution.
+It teaches a tiny model from scratch the answer format (and, with `warmup.tokens=all`, to read the
+environment's text) so that RL starts with signal. Replies are drawn uniformly from the legal ones,
+never from the task's solution.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def format_warmup(
         seeds = [rng.getrandbits(62) for _ in range(w.sft_batch_size)]
         rollouts = [run_scripted_episode(env, s, policy, chat, cfg.grpo.max_turns) for s in seeds]
         samples = [TrainSample.from_rollout(r, advantage=0.0) for r in rollouts]
+        if w.tokens == "all":
+            for sample in samples:
+                sample.loss_mask = [1.0] * len(sample.token_ids)
         metrics = trainer.train_step(samples)
         metrics["reward_mean"] = statistics.fmean(r.reward for r in rollouts)
         logger.log(step, metrics, phase="warmup")

@@ -40,15 +40,35 @@ def preset() -> RunConfig:
     )
 
 
-def evaluate(parts: LoopParts, cfg: RunConfig, num_hands: int) -> float:
-    """Mean return of the greedy policy on the first `num_hands` fixed evaluation hands."""
+def evaluate(parts: LoopParts, cfg: RunConfig, num_hands: int, greedy: bool) -> float:
+    """Mean return on the first `num_hands` fixed evaluation hands.
+
+    The policy being trained is the sampling distribution at the training temperature; it is
+    evaluated by sampling with per-turn seeds fixed by the hand, so every evaluation of every policy
+    sees the same cards and the same random numbers. `greedy` evaluates its argmax decoding instead.
+    """
     seeds = episode_seeds(num_hands, cfg.eval.seed)
     envs = [parts.make_env() for _ in seeds]
-    params = SamplingParams(max_tokens=cfg.sampling.max_tokens_per_turn, temperature=0.0)
+    temperature = 0.0 if greedy else cfg.sampling.temperature
+    params = SamplingParams(max_tokens=cfg.sampling.max_tokens_per_turn, temperature=temperature)
     rollouts = run_episodes(
-        parts.engine, envs, seeds, ["eval"] * len(seeds), parts.chat, params, cfg.grpo.max_turns
+        parts.engine,
+        envs,
+        seeds,
+        ["eval"] * len(seeds),
+        parts.chat,
+        params,
+        cfg.grpo.max_turns,
+        sampling_seed=None if greedy else cfg.eval.seed,
     )
     return statistics.fmean(r.reward for r in rollouts)
+
+
+def evaluate_both(parts: LoopParts, cfg: RunConfig, num_hands: int) -> dict[str, float]:
+    return {
+        "return": evaluate(parts, cfg, num_hands, greedy=False),
+        "return_greedy": evaluate(parts, cfg, num_hands, greedy=True),
+    }
 
 
 def main(cfg: RunConfig) -> dict:
@@ -67,17 +87,17 @@ def main(cfg: RunConfig) -> dict:
         trainer = build_trainer(model, tokenizer, cfg.trainer)  # fresh optimizer; reference = warmed-up model
     parts = LoopParts(build_engine(cfg, model, tokenizer), trainer, chat, new_env)
 
-    return_initial = evaluate(parts, cfg, cfg.eval.num_episodes)
-    logger.log(0, {"return": return_initial}, phase="eval")
+    initial = evaluate_both(parts, cfg, cfg.eval.num_episodes)
+    logger.log(0, initial, phase="eval")
     history = train(
         parts,
         cfg,
         logger,
         str(run_dir),
-        lambda: {"return": evaluate(parts, cfg, cfg.eval.num_episodes_during)},
+        lambda: evaluate_both(parts, cfg, cfg.eval.num_episodes_during),
     )
-    return_final = evaluate(parts, cfg, cfg.eval.num_episodes)
-    logger.log(len(history), {"return": return_final}, phase="eval")
+    final = evaluate_both(parts, cfg, cfg.eval.num_episodes)
+    logger.log(len(history), final, phase="eval")
     basic = statistics.fmean(
         play_hands(basic_strategy_policy, episode_seeds(cfg.eval.num_episodes, cfg.eval.seed))
     )
@@ -90,8 +110,10 @@ def main(cfg: RunConfig) -> dict:
         "steps": len(history),
         "wall_s": round(time.perf_counter() - t0, 1),
         "eval_hands": cfg.eval.num_episodes,
-        "return_initial": round(return_initial, 4),
-        "return_final": round(return_final, 4),
+        "return_initial": round(initial["return"], 4),
+        "return_final": round(final["return"], 4),
+        "return_initial_greedy": round(initial["return_greedy"], 4),
+        "return_final_greedy": round(final["return_greedy"], 4),
         "return_basic_strategy": round(basic, 4),
         "return_first10": round(statistics.fmean(rewards[:tenth]), 4) if rewards else None,
         "return_last10": round(statistics.fmean(rewards[-tenth:]), 4) if rewards else None,

@@ -7,6 +7,7 @@ the same Rollouts for supervised warm-ups.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ class Episode:
 
     env: Environment
     group_id: str
+    seed: int = 0
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -63,7 +65,7 @@ class Episode:
 
 
 def _start(env: Environment, seed: int, group_id: str, chat: ChatFormat) -> Episode:
-    ep = Episode(env=env, group_id=group_id)
+    ep = Episode(env=env, group_id=group_id, seed=seed)
     obs = env.reset(seed=seed)
     ep.last_obs = obs
     ep.add_context(chat.first_turn(obs.prompt))
@@ -85,6 +87,13 @@ def _advance(ep: Episode, reply_text: str, chat: ChatFormat, max_turns: int) -> 
         ep.add_context(chat.next_turn(obs.prompt))
 
 
+def _turn_params(params: SamplingParams, sampling_seed: int | None, ep: Episode) -> SamplingParams:
+    if sampling_seed is None:
+        return params
+    seed = (sampling_seed * 1_000_003 + ep.seed * 101 + ep.turns) % (1 << 63)
+    return dataclasses.replace(params, seed=seed)
+
+
 def run_episodes(
     engine: Engine,
     envs: Sequence[Environment],
@@ -93,18 +102,21 @@ def run_episodes(
     chat: ChatFormat,
     params: SamplingParams,
     max_turns: int,
+    sampling_seed: int | None = None,
 ) -> list[Rollout]:
-    """Play one episode per env (reset with its seed) to the end; returns rollouts in input order."""
+    """Play one episode per env (reset with its seed) to the end; returns rollouts in input order.
+
+    With `sampling_seed`, every turn is sampled with its own seed derived from (sampling_seed, env
+    seed, turn), so an evaluation is reproducible whatever else the engine has generated before.
+    """
     if not len(envs) == len(seeds) == len(group_ids):
         raise ValueError("run_episodes needs one seed and one group id per env")
     if chat.end_of_turn_id not in params.stop_token_ids:
-        params = SamplingParams(
-            **{**params.__dict__, "stop_token_ids": (*params.stop_token_ids, chat.end_of_turn_id)}
-        )
+        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, chat.end_of_turn_id))
     episodes = [_start(env, s, g, chat) for env, s, g in zip(envs, seeds, group_ids, strict=True)]
     while active := [ep for ep in episodes if not ep.done]:
         completions: list[Completion] = engine.generate(
-            [SampleRequest(ep.token_ids.copy(), params) for ep in active]
+            [SampleRequest(ep.token_ids.copy(), _turn_params(params, sampling_seed, ep)) for ep in active]
         )
         for ep, c in zip(active, completions, strict=True):
             ep.add_policy(c.token_ids, c.logprobs, c.versions)

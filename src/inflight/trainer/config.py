@@ -22,6 +22,7 @@ class LossConfig(BaseModel):
     clip_high_threshold: float | None = None
     tis_cap: float | None = None  # truncated importance sampling cap (None = off)
     entropy_coef: float = 0.0  # bonus: loss -= entropy_coef * entropy
+    entropy_top_k: int = 0  # the bonus's entropy over the top-k tokens only (0 = whole vocabulary)
     kl_coef: float = 0.0  # penalty against the frozen reference model (0 = no reference model)
     kl_estimator: Literal["k1", "k3"] = "k3"
 
@@ -29,6 +30,8 @@ class LossConfig(BaseModel):
     def _check(self) -> LossConfig:
         if self.reduction == "constant" and not self.constant_normalizer:
             raise ValueError("loss.reduction=constant needs loss.constant_normalizer > 0")
+        if self.entropy_top_k == 1 or self.entropy_top_k < 0:
+            raise ValueError("loss.entropy_top_k must be 0 (whole vocabulary) or >= 2")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("loss.kl_coef and loss.entropy_coef must be >= 0")
         return self

@@ -21,6 +21,7 @@ from inflight.losses import (
     entropy_from_logits,
     reduce_loss,
     token_logprobs,
+    top_k_entropy_from_logits,
 )
 from inflight.trainer.config import TrainerConfig
 from inflight.types import TrainSample
@@ -130,11 +131,17 @@ class Trainer:
                 params,
             )
             loss = reduce(out.per_token, mb.mask)
-            entropy = entropy_from_logits(
-                logits.detach() if lcfg.entropy_coef == 0 else logits, cfg.temperature
-            )
-            if lcfg.entropy_coef > 0:
-                loss = loss - lcfg.entropy_coef * reduce(entropy * mb.mask, mb.mask)
+            bonus = lcfg.entropy_coef > 0
+            full_entropy_grad = bonus and not lcfg.entropy_top_k
+            entropy = entropy_from_logits(logits if full_entropy_grad else logits.detach(), cfg.temperature)
+            if bonus:
+                bonus_entropy = (
+                    top_k_entropy_from_logits(logits, lcfg.entropy_top_k, cfg.temperature)
+                    if lcfg.entropy_top_k
+                    else entropy
+                )
+                loss = loss - lcfg.entropy_coef * reduce(bonus_entropy * mb.mask, mb.mask)
+                sums["entropy_bonus_term"] += float((bonus_entropy.detach() * mb.mask).sum())
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_lp = token_logprobs(self._logits(self.ref_model, mb), mb.targets, cfg.temperature)
