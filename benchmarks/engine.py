@@ -2,36 +2,18 @@
 
 Both sample from the same distribution (temperature 1, top-k as given, 0 = off; note HF's own default
 is top_k=50) and produce exactly --new-tokens per prompt. Prints one JSON line last.
-Run: `python -m benchmarks.engine [--model DIR]`.
+Run: `inflight bench engine [--model DIR]` (default: the tiny preset, built locally).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
-
-
-def build_model(vocab_size: int = 2000) -> Any:
-    """A test-sized Qwen2 (~2.3M parameters), comparable to the tiny preset."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=192,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    return Qwen2ForCausalLM(config).eval()
 
 
 def _best_times(runs: dict[str, Callable[[], int]], repeats: int) -> dict[str, tuple[float, int]]:
@@ -58,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top-k", type=int, default=0, help="applied to both (0 = off)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="for both")
-    parser.add_argument("--model", default=None, help="local HF model dir (default: in-memory test model)")
+    parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -68,7 +50,11 @@ def main(argv: list[str] | None = None) -> dict:
     from inflight.inference import BuiltinEngine, BuiltinEngineConfig
     from inflight.types import SampleRequest, SamplingParams
 
-    model = build_model() if args.model is None else AutoModelForCausalLM.from_pretrained(args.model).eval()
+    if args.model is None:
+        from inflight.models import build_tiny
+
+        args.model = str(build_tiny(tempfile.mkdtemp(prefix="inflight-bench-engine-"), preset="tiny"))
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     model = model.to(getattr(torch, args.dtype))
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size

@@ -34,11 +34,12 @@ def test_blackjack_reward_rises(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert summary["steps"] == 40
     # The sampled policy after RL beats the policy before RL on the same 1,000 hands and seeds.
     assert summary["return_final"] > summary["return_initial"] + 0.05, summary
-    assert summary["return_last10"] > summary["return_first10"], summary
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train"]
     assert len(train) == 40 and all("reward_mean" in r and "step_s" in r for r in train)
+    first, last = (sum(r["reward_mean"] for r in part) / 10 for part in (train[:10], train[-10:]))
+    assert last > first, (first, last)
     updated = [r for r in train if "loss" in r]
     assert updated, "at least one step must have trained"
     for key in ("loss", "entropy", "is_weight_mean", "ess", "logprob_diff_max_abs", "grad_norm"):

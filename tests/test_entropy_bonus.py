@@ -53,3 +53,31 @@ def test_gradient_touches_only_the_top_k_and_passes_gradcheck() -> None:
 def test_k_below_two_is_rejected() -> None:
     with pytest.raises(ValueError, match="k >= 2"):
         top_k_entropy_from_logits(torch.zeros(1, 4), 1)
+
+
+def test_exact_reverse_kl_value_gradient_and_zero_at_equality() -> None:
+    """kl_ref_to_policy_exact = sum_v ref(v) (log ref(v) - log pi(v)); reference: a naive double loop."""
+    from inflight.losses import kl_ref_to_policy_exact
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(2, 3, 6, generator=g, dtype=torch.float64)
+    got = kl_ref_to_policy_exact(logits, ref, temperature=0.8)
+    p, q = (logits.detach() / 0.8).softmax(-1), (ref / 0.8).softmax(-1)
+    naive = torch.tensor(
+        [
+            [
+                sum(float(q[i, j, v] * (q[i, j, v].log() - p[i, j, v].log())) for v in range(6))
+                for j in range(3)
+            ]
+            for i in range(2)
+        ],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(got, naive)
+    assert torch.all(got >= 0)
+    torch.testing.assert_close(kl_ref_to_policy_exact(ref, ref), torch.zeros(2, 3, dtype=torch.float64))
+    # d/dlogits = (pi - ref) / T: it raises every token the reference prefers, sampled or not.
+    got.sum().backward()
+    assert logits.grad is not None
+    torch.testing.assert_close(logits.grad, (p - q) / 0.8)

@@ -108,3 +108,17 @@ def test_checkpoint_round_trip(tiny_model_dir: Path, tmp_path: Path) -> None:
     # A second save replaces the first atomically.
     save_checkpoint(trainer, tmp_path / "ckpt", extra={"step": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_trained_position_logprobs_match_a_full_forward(tiny_model_dir: Path) -> None:
+    """The trainer runs the LM head only where the loss looks; the logprobs must equal a naive forward."""
+    model = load_model(tiny_model_dir)
+    samples = make_samples(5, vocab=2048, seed=3)
+    with torch.no_grad():
+        for s in samples:
+            logits = model(input_ids=torch.tensor([s.token_ids])).logits[0, :-1]
+            lp = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.token_ids[1:])[:, None])[:, 0]
+            s.behaviour_logprobs = [0.0] + [float(x) * m for x, m in zip(lp, s.loss_mask[1:], strict=True)]
+    metrics = Trainer(model, TrainerConfig(micro_batch_size=2)).forward_backward(samples)
+    assert metrics["logprob_diff_max_abs"] < 1e-5
+    assert metrics["is_weight_min"] == pytest.approx(1.0, abs=1e-4)

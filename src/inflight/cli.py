@@ -51,8 +51,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UserError(f"benchmarks/ not found next to {root / 'src'}: run from a source checkout")
     sys.path.insert(0, str(root))
     module = importlib.import_module(f"benchmarks.{args.name}")
-    result = module.main(args.args)
-    print(json.dumps(result))
+    module.main(args.args)  # each benchmark prints its result as one JSON line, last
     return 0
 
 

@@ -9,7 +9,7 @@ from inflight.losses.advantages import (
     group_advantages,
 )
 from inflight.losses.importance import off_policy_stats, truncated_is_weights
-from inflight.losses.kl import KL_ESTIMATORS, KLEstimator, kl_k1, kl_k2, kl_k3
+from inflight.losses.kl import KL_ESTIMATORS, KLEstimator, kl_k1, kl_k2, kl_k3, kl_ref_to_policy_exact
 from inflight.losses.logprobs import entropy_from_logits, token_logprobs, top_k_entropy_from_logits
 from inflight.losses.policy import (
     CLIP_DEFAULTS,
@@ -47,6 +47,7 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_ref_to_policy_exact",
     "off_policy_stats",
     "ppo",
     "reduce_loss",

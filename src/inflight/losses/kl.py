@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
@@ -33,3 +34,17 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_ref_to_policy_exact(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Exact KL(ref || pi) [.., ] over the whole vocabulary from logits [.., V] (no sampling).
+
+    Mass-covering: its gradient, -sum_v ref(v) grad log pi(v), reaches tokens the policy no longer
+    samples, so a penalty on it keeps every action the reference finds plausible from vanishing
+    (exploration), while tokens the reference never produces gain nothing. The sampled estimators
+    above cannot restore an action that is never sampled.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
+    logp = (logits.to(dtype) / temperature).log_softmax(-1)
+    ref_logp = (ref_logits.to(dtype) / temperature).log_softmax(-1)
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)

@@ -24,7 +24,9 @@ class LossConfig(BaseModel):
     entropy_coef: float = 0.0  # bonus: loss -= entropy_coef * entropy
     entropy_top_k: int = 0  # the bonus's entropy over the top-k tokens only (0 = whole vocabulary)
     kl_coef: float = 0.0  # penalty against the frozen reference model (0 = no reference model)
-    kl_estimator: Literal["k1", "k3"] = "k3"
+    # k1/k3: sampled-token estimators of KL(pi || ref); exact_ref: KL(ref || pi) over the vocabulary,
+    # which keeps the reference's plausible actions alive (an exploration floor).
+    kl_estimator: Literal["k1", "k3", "exact_ref"] = "k3"
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:

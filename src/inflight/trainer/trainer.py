@@ -19,6 +19,7 @@ from inflight.losses import (
     LossInputs,
     LossParams,
     entropy_from_logits,
+    kl_ref_to_policy_exact,
     reduce_loss,
     token_logprobs,
     top_k_entropy_from_logits,
@@ -86,10 +87,21 @@ class Trainer:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    def _trained_logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """Logits [N, V] at the N positions with a nonzero loss weight (row-major order of mb.mask).
+
+        RL samples are mostly prompt and environment tokens; running the LM head, log-softmax and
+        entropy only where the loss looks saves most of their cost.
+        """
+        rows, cols = mb.mask.nonzero(as_tuple=True)
+        decoder, head = model.get_decoder(), model.get_output_embeddings()  # type: ignore[operator]
         with self._autocast():
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
-        return out.logits.float()
+            if decoder is None or head is None:  # not a decoder + LM head model: full logits, then select
+                return (
+                    model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[rows, cols].float()
+                )
+            hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+            return head(hidden[rows, cols]).float()
 
     def forward_backward(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Accumulate gradients of the loss over `samples`, in micro-batches. Returns step metrics."""
@@ -116,11 +128,21 @@ class Trainer:
                 num_sequences=num_seqs,
             )
 
-        for start in range(0, len(samples), cfg.micro_batch_size):
-            mb = MicroBatch.collate(samples[start : start + cfg.micro_batch_size], self.pad_id)
+        # Similar lengths share a micro-batch (less padding); the sums use global denominators,
+        # so the order does not change the result.
+        ordered = sorted(samples, key=lambda s: len(s.token_ids))
+        for start in range(0, len(ordered), cfg.micro_batch_size):
+            mb = MicroBatch.collate(ordered[start : start + cfg.micro_batch_size], self.pad_id)
             mb_tokens = float(mb.mask.sum())
-            logits = self._logits(self.model, mb)
-            lp = token_logprobs(logits, mb.targets, temperature=cfg.temperature)
+            where = mb.mask.nonzero(as_tuple=True)
+
+            def full(values_N: torch.Tensor, mb: MicroBatch = mb, where: tuple = where) -> torch.Tensor:
+                """[N] values at the trained positions -> [B, T] with zeros elsewhere (differentiable)."""
+                return torch.zeros_like(mb.mask, dtype=values_N.dtype).index_put(where, values_N)
+
+            logits_N = self._trained_logits(self.model, mb)[None]  # [1, N, V]
+            targets_N = mb.targets[where][None]
+            lp = full(token_logprobs(logits_N, targets_N, temperature=cfg.temperature)[0])
             out = loss_fn(
                 LossInputs(
                     logprobs=lp,
@@ -133,10 +155,12 @@ class Trainer:
             loss = reduce(out.per_token, mb.mask)
             bonus = lcfg.entropy_coef > 0
             full_entropy_grad = bonus and not lcfg.entropy_top_k
-            entropy = entropy_from_logits(logits if full_entropy_grad else logits.detach(), cfg.temperature)
+            entropy = full(
+                entropy_from_logits(logits_N if full_entropy_grad else logits_N.detach(), cfg.temperature)[0]
+            )
             if bonus:
                 bonus_entropy = (
-                    top_k_entropy_from_logits(logits, lcfg.entropy_top_k, cfg.temperature)
+                    full(top_k_entropy_from_logits(logits_N, lcfg.entropy_top_k, cfg.temperature)[0])
                     if lcfg.entropy_top_k
                     else entropy
                 )
@@ -144,8 +168,12 @@ class Trainer:
                 sums["entropy_bonus_term"] += float((bonus_entropy.detach() * mb.mask).sum())
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_lp = token_logprobs(self._logits(self.ref_model, mb), mb.targets, cfg.temperature)
-                kl = KL_ESTIMATORS[lcfg.kl_estimator](lp, ref_lp)
+                    ref_logits_N = self._trained_logits(self.ref_model, mb)[None]
+                    ref_lp = full(token_logprobs(ref_logits_N, targets_N, cfg.temperature)[0])
+                if lcfg.kl_estimator == "exact_ref":
+                    kl = full(kl_ref_to_policy_exact(logits_N, ref_logits_N, cfg.temperature)[0])
+                else:
+                    kl = KL_ESTIMATORS[lcfg.kl_estimator](lp, ref_lp)
                 loss = loss + lcfg.kl_coef * reduce(kl * mb.mask, mb.mask)
                 sums["kl"] += float((kl.detach() * mb.mask).sum())
             loss.backward()
