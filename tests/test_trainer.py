@@ -117,7 +117,8 @@ def test_trained_position_logprobs_match_a_full_forward(tiny_model_dir: Path) ->
     with torch.no_grad():
         for s in samples:
             logits = model(input_ids=torch.tensor([s.token_ids])).logits[0, :-1]
-            lp = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.token_ids[1:])[:, None])[:, 0]
+            targets = torch.tensor(s.token_ids[1:])[:, None]
+            lp = torch.log_softmax(logits.double(), -1).gather(1, targets)[:, 0]
             s.behaviour_logprobs = [0.0] + [float(x) * m for x, m in zip(lp, s.loss_mask[1:], strict=True)]
     metrics = Trainer(model, TrainerConfig(micro_batch_size=2)).forward_backward(samples)
     assert metrics["logprob_diff_max_abs"] < 1e-5
