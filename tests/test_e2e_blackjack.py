@@ -33,7 +33,8 @@ def test_blackjack_reward_rises(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
     assert summary["steps"] == 40
     # The sampled policy after RL beats the policy before RL on the same 1,000 hands and seeds.
-    assert summary["return_final"] > summary["return_initial"] + 0.05, summary
+    assert summary["return_final_sampled"] > summary["return_initial_sampled"] + 0.05, summary
+    assert {"return_initial", "return_final", "return_basic_strategy", "wall_s"} <= summary.keys()
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train"]
