@@ -123,3 +123,12 @@ def test_trained_position_logprobs_match_a_full_forward(tiny_model_dir: Path) ->
     metrics = Trainer(model, TrainerConfig(micro_batch_size=2)).forward_backward(samples)
     assert metrics["logprob_diff_max_abs"] < 1e-5
     assert metrics["is_weight_min"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_samples_without_trained_tokens_are_skipped_not_fatal(tiny_model_dir: Path) -> None:
+    trainer = Trainer(load_model(tiny_model_dir), TrainerConfig(micro_batch_size=2))
+    empty = TrainSample([5, 6, 7], [0.0, 0.0, 0.0], [0.0] * 3, [0.0] * 3, [-1] * 3)
+    samples = [empty, empty, *make_samples(3, vocab=2048)]  # the two empty ones share a micro-batch
+    metrics = trainer.forward_backward(samples)
+    assert metrics["num_samples"] == 5.0 and metrics["num_tokens"] > 0
+    assert any(p.grad is not None for p in trainer.model.parameters())

@@ -53,9 +53,13 @@ def load_policy(cfg: RunConfig) -> tuple[torch.nn.Module, object]:
     return load_model(name), load_tokenizer(name)
 
 
-def build_trainer(model: torch.nn.Module, tokenizer: object, config: TrainerConfig) -> Trainer:
+def pad_id(tokenizer: object) -> int:
     pad = getattr(tokenizer, "pad_token_id", None)
-    return Trainer(model, config, pad_id=int(pad) if pad is not None else 0)
+    return int(pad) if pad is not None else 0
+
+
+def build_trainer(model: torch.nn.Module, tokenizer: object, config: TrainerConfig) -> Trainer:
+    return Trainer(model, config, pad_id=pad_id(tokenizer))
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: object):  # -> BuiltinEngine

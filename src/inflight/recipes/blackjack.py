@@ -16,7 +16,7 @@ from inflight.envs.blackjack import basic_strategy_policy, play_hands
 from inflight.inference.builtin import BuiltinEngineConfig
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.plot import plot_run
-from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, make_run_dir
+from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, make_run_dir, pad_id
 from inflight.orchestrator.sync_loop import LoopParts, train
 from inflight.orchestrator.warmup import format_warmup
 from inflight.rollouts.chat import ChatFormat
@@ -100,10 +100,9 @@ def main(cfg: RunConfig) -> dict:
     def new_env():
         return make_env(cfg.env.name, **cfg.env.kwargs)
 
-    trainer = build_trainer(model, tokenizer, cfg.trainer)
     if cfg.warmup.sft_steps:
-        format_warmup(model, trainer.pad_id, chat, new_env, cfg, logger)
-        trainer = build_trainer(model, tokenizer, cfg.trainer)  # fresh optimizer; reference = warmed-up model
+        format_warmup(model, pad_id(tokenizer), chat, new_env, cfg, logger)
+    trainer = build_trainer(model, tokenizer, cfg.trainer)  # after the warm-up: reference = warmed-up model
     parts = LoopParts(build_engine(cfg, model, tokenizer), trainer, chat, new_env)
 
     initial = evaluate_both(parts, cfg, cfg.eval.num_episodes)

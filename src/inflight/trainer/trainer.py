@@ -87,13 +87,13 @@ class Trainer:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _trained_logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        """Logits [N, V] at the N positions with a nonzero loss weight (row-major order of mb.mask).
+    def _trained_logits(self, model: torch.nn.Module, mb: MicroBatch, where: tuple) -> torch.Tensor:
+        """Logits [N, V] at `where`, the N positions with a nonzero loss weight (mb.mask.nonzero()).
 
         RL samples are mostly prompt and environment tokens; running the LM head, log-softmax and
         entropy only where the loss looks saves most of their cost.
         """
-        rows, cols = mb.mask.nonzero(as_tuple=True)
+        rows, cols = where
         decoder, head = model.get_decoder(), model.get_output_embeddings()  # type: ignore[operator]
         with self._autocast():
             if decoder is None or head is None:  # not a decoder + LM head model: full logits, then select
@@ -135,12 +135,14 @@ class Trainer:
             mb = MicroBatch.collate(ordered[start : start + cfg.micro_batch_size], self.pad_id)
             mb_tokens = float(mb.mask.sum())
             where = mb.mask.nonzero(as_tuple=True)
+            if not where[0].numel():  # nothing trained here (e.g. an episode over before any action)
+                continue
 
             def full(values_N: torch.Tensor, mb: MicroBatch = mb, where: tuple = where) -> torch.Tensor:
                 """[N] values at the trained positions -> [B, T] with zeros elsewhere (differentiable)."""
                 return torch.zeros_like(mb.mask, dtype=values_N.dtype).index_put(where, values_N)
 
-            logits_N = self._trained_logits(self.model, mb)[None]  # [1, N, V]
+            logits_N = self._trained_logits(self.model, mb, where)[None]  # [1, N, V]
             targets_N = mb.targets[where][None]
             lp = full(token_logprobs(logits_N, targets_N, temperature=cfg.temperature)[0])
             out = loss_fn(
@@ -168,11 +170,11 @@ class Trainer:
                 sums["entropy_bonus_term"] += float((bonus_entropy.detach() * mb.mask).sum())
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logits_N = self._trained_logits(self.ref_model, mb)[None]
-                    ref_lp = full(token_logprobs(ref_logits_N, targets_N, cfg.temperature)[0])
+                    ref_logits_N = self._trained_logits(self.ref_model, mb, where)[None]
                 if lcfg.kl_estimator == "exact_ref":
                     kl = full(kl_ref_to_policy_exact(logits_N, ref_logits_N, cfg.temperature)[0])
                 else:
+                    ref_lp = full(token_logprobs(ref_logits_N, targets_N, cfg.temperature)[0])
                     kl = KL_ESTIMATORS[lcfg.kl_estimator](lp, ref_lp)
                 loss = loss + lcfg.kl_coef * reduce(kl * mb.mask, mb.mask)
                 sums["kl"] += float((kl.detach() * mb.mask).sum())
@@ -189,7 +191,11 @@ class Trainer:
                     maxima[key] = min(maxima.get(key, value), value)
                 else:
                     sums[key] += value * mb_tokens
-        metrics = {"loss": sums.pop("loss"), "num_tokens": num_tokens, "num_samples": float(len(samples))}
+        metrics = {
+            "loss": sums.pop("loss", 0.0),
+            "num_tokens": num_tokens,
+            "num_samples": float(len(samples)),
+        }
         for key, value in sums.items():
             metrics[key] = value / max(num_tokens, 1.0)
         metrics.update(maxima)
