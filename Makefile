@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: a CPU wheel here; nothing later may pull a CUDA build.
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
 	$(BIN)/pip install -q -e ".[dev]"
+	# The cookbook's tests drive our service; see pyproject's dev extra for why --no-deps.
+	$(BIN)/pip install -q --no-deps "tinker-cookbook==0.6.1"
 	touch $(STAMP)
 
 run: $(STAMP)
