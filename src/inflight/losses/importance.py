@@ -36,6 +36,8 @@ def off_policy_stats(logprobs: Tensor, behaviour_logprobs: Tensor, active: Tenso
     - is_weight_mean / is_weight_min / is_weight_max: statistics of r.
     - ess: effective sample size as a fraction, (sum r)^2 / (N sum r^2), in (0, 1]; 1 when on-policy.
     - logprob_diff_mean_abs / logprob_diff_max_abs: mean and max of |lp - q|, the log-prob parity gap.
+    - is_hist_*: the histogram of r, as fractions of the active tokens in the buckets of
+      IS_HISTOGRAM_EDGES (`is_hist_lt_0.5`, `is_hist_0.5_0.8`, ..., `is_hist_ge_2`).
     - num_tokens: N, the number of active tokens (weight for averaging these over micro-batches).
     All are 0 when no token is active.
     """
@@ -55,8 +57,21 @@ def off_policy_stats(logprobs: Tensor, behaviour_logprobs: Tensor, active: Tenso
         "ess": ess,
         "logprob_diff_mean_abs": masked_mean(log_ratio.abs(), active),
         "logprob_diff_max_abs": log_ratio.abs().amax() if log_ratio.numel() else zero,
+        **_ratio_histogram(ratio, active),
         "num_tokens": num_active.double(),
     }
+
+
+IS_HISTOGRAM_EDGES = (0.5, 0.8, 1.25, 2.0)
+
+
+def _ratio_histogram(ratio: Tensor, active: Tensor) -> dict[str, Tensor]:
+    edges = IS_HISTOGRAM_EDGES
+    names = [f"is_hist_lt_{edges[0]}"]
+    names += [f"is_hist_{lo}_{hi}" for lo, hi in zip(edges, edges[1:], strict=False)]
+    names.append(f"is_hist_ge_{edges[-1]}")
+    bucket = torch.bucketize(ratio, torch.tensor(edges, dtype=ratio.dtype), right=True)
+    return {name: masked_mean(bucket == i, active) for i, name in enumerate(names)}
 
 
 def to_floats(stats: dict[str, Tensor]) -> dict[str, float]:

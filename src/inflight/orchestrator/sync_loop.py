@@ -27,6 +27,7 @@ from inflight.config import RunConfig
 from inflight.envs.base import Environment
 from inflight.inference.engine import Engine
 from inflight.losses import group_advantages
+from inflight.losses.advantages import AdvantageMethod
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
 from inflight.rollouts.chat import ChatFormat
@@ -52,19 +53,45 @@ def prompt_seeds(cfg: RunConfig, step: int) -> list[int]:
     return [base + i for i in range(cfg.grpo.prompts_per_step)]
 
 
-def sample_groups(parts: LoopParts, cfg: RunConfig, step: int) -> list[RolloutGroup]:
-    g = cfg.grpo.group_size
-    seeds = [s for s in prompt_seeds(cfg, step) for _ in range(g)]  # each prompt g times: one group
-    group_ids = [f"{step}-{s}" for s in seeds]
-    params = SamplingParams(
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    """One policy turn during training."""
+    return SamplingParams(
         max_tokens=cfg.sampling.max_tokens_per_turn,
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
         top_k=cfg.sampling.top_k,
     )
+
+
+def sample_groups(parts: LoopParts, cfg: RunConfig, step: int) -> list[RolloutGroup]:
+    g = cfg.grpo.group_size
+    seeds = [s for s in prompt_seeds(cfg, step) for _ in range(g)]  # each prompt g times: one group
+    group_ids = [f"{step}-{s}" for s in seeds]
+    params = sampling_params(cfg)
     envs = [parts.make_env() for _ in seeds]
-    rollouts = run_episodes(parts.engine, envs, seeds, group_ids, parts.chat, params, cfg.grpo.max_turns)
+    # Seeded per (prompt, sample, turn): the tokens do not depend on the engine's batch, so the
+    # asynchronous pipeline at max_staleness_steps=0 draws exactly these samples.
+    rollouts = run_episodes(
+        parts.engine,
+        envs,
+        seeds,
+        group_ids,
+        parts.chat,
+        params,
+        cfg.grpo.max_turns,
+        sampling_seed=cfg.seed,
+        sample_indices=[i % g for i in range(len(seeds))],
+    )
     return [RolloutGroup(group_ids[i], rollouts[i : i + g]) for i in range(0, len(rollouts), g)]
+
+
+def to_train_samples(groups: list[RolloutGroup], advantage: AdvantageMethod) -> list[TrainSample]:
+    """Per-group advantages from the rewards, spread over each rollout's policy tokens."""
+    samples: list[TrainSample] = []
+    for grp in groups:
+        adv = group_advantages(torch.tensor(grp.rewards), advantage)
+        samples += [TrainSample.from_rollout(r, float(a)) for r, a in zip(grp.rollouts, adv, strict=True)]
+    return samples
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
@@ -102,12 +129,7 @@ def train(
             t_sample = time.perf_counter() - t0
 
             informative = [grp for grp in groups if grp.is_informative]  # 2. rewards -> advantages
-            samples: list[TrainSample] = []
-            for grp in informative:
-                adv = group_advantages(torch.tensor(grp.rewards), cfg.grpo.advantage)
-                samples += [
-                    TrainSample.from_rollout(r, float(a)) for r, a in zip(grp.rollouts, adv, strict=True)
-                ]
+            samples = to_train_samples(informative, cfg.grpo.advantage)
 
             rollouts = [r for grp in groups for r in grp.rollouts]
             metrics = rollout_metrics(rollouts)

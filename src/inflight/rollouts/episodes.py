@@ -8,7 +8,7 @@ the same Rollouts for supervised warm-ups.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ class Episode:
     env: Environment
     group_id: str
     seed: int = 0
+    sample_index: int = 0  # which of the group's samples: keys its sampling seeds apart from the others'
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -64,8 +65,8 @@ class Episode:
         )
 
 
-def _start(env: Environment, seed: int, group_id: str, chat: ChatFormat) -> Episode:
-    ep = Episode(env=env, group_id=group_id, seed=seed)
+def _start(env: Environment, seed: int, group_id: str, chat: ChatFormat, sample_index: int = 0) -> Episode:
+    ep = Episode(env=env, group_id=group_id, seed=seed, sample_index=sample_index)
     obs = env.reset(seed=seed)
     ep.last_obs = obs
     ep.add_context(chat.first_turn(obs.prompt))
@@ -90,8 +91,24 @@ def _advance(ep: Episode, reply_text: str, chat: ChatFormat, max_turns: int) -> 
 def _turn_params(params: SamplingParams, sampling_seed: int | None, ep: Episode) -> SamplingParams:
     if sampling_seed is None:
         return params
-    seed = (sampling_seed * 1_000_003 + ep.seed * 101 + ep.turns) % (1 << 63)
+    seed = (sampling_seed * 1_000_003 + ep.seed * 101 + ep.turns + ep.sample_index * 1_000_000_007) % (
+        1 << 63
+    )
     return dataclasses.replace(params, seed=seed)
+
+
+def _with_end_of_turn(params: SamplingParams, chat: ChatFormat) -> SamplingParams:
+    if chat.end_of_turn_id in params.stop_token_ids:
+        return params
+    return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, chat.end_of_turn_id))
+
+
+def _take_reply(ep: Episode, c: Completion, chat: ChatFormat, max_turns: int) -> None:
+    ep.add_policy(c.token_ids, c.logprobs, c.versions)
+    if c.finish_reason == "length" and c.token_ids[-1:] != [chat.end_of_turn_id]:
+        # The reply never ended its turn: the env judges the text as is (usually a format error).
+        ep.finish_reason = "length"
+    _advance(ep, chat.reply_text(c.token_ids), chat, max_turns)
 
 
 def run_episodes(
@@ -103,28 +120,52 @@ def run_episodes(
     params: SamplingParams,
     max_turns: int,
     sampling_seed: int | None = None,
+    sample_indices: Sequence[int] | None = None,
 ) -> list[Rollout]:
     """Play one episode per env (reset with its seed) to the end; returns rollouts in input order.
 
     With `sampling_seed`, every turn is sampled with its own seed derived from (sampling_seed, env
-    seed, turn), so an evaluation is reproducible whatever else the engine has generated before.
+    seed, sample index, turn), so an episode's tokens do not depend on what else the engine runs: an
+    evaluation is reproducible, and the asynchronous pipeline reproduces the sync loop's samples.
     """
-    if not len(envs) == len(seeds) == len(group_ids):
-        raise ValueError("run_episodes needs one seed and one group id per env")
-    if chat.end_of_turn_id not in params.stop_token_ids:
-        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, chat.end_of_turn_id))
-    episodes = [_start(env, s, g, chat) for env, s, g in zip(envs, seeds, group_ids, strict=True)]
+    indices = list(sample_indices) if sample_indices is not None else [0] * len(envs)
+    if not len(envs) == len(seeds) == len(group_ids) == len(indices):
+        raise ValueError("run_episodes needs one seed, one group id and one sample index per env")
+    params = _with_end_of_turn(params, chat)
+    episodes = [
+        _start(env, s, g, chat, j) for env, s, g, j in zip(envs, seeds, group_ids, indices, strict=True)
+    ]
     while active := [ep for ep in episodes if not ep.done]:
         completions: list[Completion] = engine.generate(
             [SampleRequest(ep.token_ids.copy(), _turn_params(params, sampling_seed, ep)) for ep in active]
         )
         for ep, c in zip(active, completions, strict=True):
-            ep.add_policy(c.token_ids, c.logprobs, c.versions)
-            if c.finish_reason == "length" and c.token_ids[-1:] != [chat.end_of_turn_id]:
-                # The reply never ended its turn: the env judges the text as is (usually a format error).
-                ep.finish_reason = "length"
-            _advance(ep, chat.reply_text(c.token_ids), chat, max_turns)
+            _take_reply(ep, c, chat, max_turns)
     return [ep.to_rollout() for ep in episodes]
+
+
+async def play_episode(
+    generate: Callable[[SampleRequest], Awaitable[Completion]],
+    env: Environment,
+    seed: int,
+    group_id: str,
+    chat: ChatFormat,
+    params: SamplingParams,
+    max_turns: int,
+    sampling_seed: int | None = None,
+    sample_index: int = 0,
+) -> Rollout:
+    """One episode against an asynchronous policy (the pipeline's rollout workers).
+
+    Same token layout and the same per-turn seeds as `run_episodes`: with equal weights both give
+    the same tokens.
+    """
+    params = _with_end_of_turn(params, chat)
+    ep = _start(env, seed, group_id, chat, sample_index)
+    while not ep.done:
+        c = await generate(SampleRequest(ep.token_ids.copy(), _turn_params(params, sampling_seed, ep)))
+        _take_reply(ep, c, chat, max_turns)
+    return ep.to_rollout()
 
 
 def run_scripted_episode(

@@ -1,0 +1,174 @@
+"""The rollout API (PipelineRL's shape) and the engine loop that serves it.
+
+- ChatSession keeps a conversation as one token stream with the policy's tokens trained on;
+- play_episode (async, one episode) gives the same tokens as run_episodes (lockstep) for the same seeds;
+- the engine loop serves concurrent callers from one continuous batch and swaps weights in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight.envs.blackjack import BlackJackEnv
+from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
+from inflight.inference.engine_thread import EngineThread, EngineThreadError
+from inflight.models import load_model, load_tokenizer
+from inflight.recipes import guess_number
+from inflight.rollouts.api import RolloutContext, scripted_policy
+from inflight.rollouts.chat import ChatFormat
+from inflight.rollouts.episodes import play_episode, run_episodes
+from inflight.types import SampleRequest, SamplingParams, WeightUpdate
+
+
+@pytest.fixture(scope="module")
+def model_and_chat(tiny_model_dir: Path):
+    torch.manual_seed(0)
+    return load_model(str(tiny_model_dir)), ChatFormat(load_tokenizer(str(tiny_model_dir)))
+
+
+def test_chat_session_masks_everything_but_the_policy(model_and_chat) -> None:
+    _, chat = model_and_chat
+    ctx = RolloutContext(scripted_policy(chat, lambda transcript: "42"), chat, SamplingParams(max_tokens=8))
+
+    async def play():
+        session = ctx.chat()
+        session.user("first question")
+        assert await session.assistant() == "42"
+        session.user("second question")
+        assert await session.assistant() == "42"
+        return session.to_rollout(1.5, {"found": 1.0})
+
+    rollout = asyncio.run(play())
+    expected = (
+        chat.first_turn("first question")
+        + chat.assistant_reply("42")
+        + chat.next_turn("second question")
+        + chat.assistant_reply("42")
+    )
+    assert rollout.token_ids == expected
+    trained = [t for t, m in zip(rollout.token_ids, rollout.loss_mask, strict=True) if m]
+    assert trained == chat.assistant_reply("42") * 2
+    assert rollout.reward == 1.5 and rollout.metrics == {"turns": 2.0, "found": 1.0}
+    assert set(rollout.versions[i] for i, m in enumerate(rollout.loss_mask) if not m) == {-1}
+
+
+def test_chat_session_refuses_out_of_order_turns(model_and_chat) -> None:
+    _, chat = model_and_chat
+    session = RolloutContext(scripted_policy(chat, lambda t: "1"), chat, SamplingParams()).chat()
+    with pytest.raises(RuntimeError, match="needs a user"):
+        asyncio.run(session.assistant())
+    session.user("hello")
+    with pytest.raises(RuntimeError, match="twice in a row"):
+        session.user("again")
+
+
+def test_turn_seeds_differ_by_sample_and_turn(model_and_chat) -> None:
+    _, chat = model_and_chat
+    a = RolloutContext(
+        scripted_policy(chat, str), chat, SamplingParams(), problem_index=3, sample_index=0, sampling_seed=0
+    )
+    b = RolloutContext(
+        scripted_policy(chat, str), chat, SamplingParams(), problem_index=3, sample_index=1, sampling_seed=0
+    )
+    seeds_a = [a.turn_params().seed for _ in range(3)]
+    seeds_b = [b.turn_params().seed for _ in range(3)]
+    assert len(set(seeds_a + seeds_b)) == 6
+    unseeded = RolloutContext(scripted_policy(chat, str), chat, SamplingParams())
+    assert unseeded.turn_params().seed is None
+
+
+def test_play_episode_matches_run_episodes(model_and_chat) -> None:
+    model, chat = model_and_chat
+    config = BuiltinEngineConfig(max_batch_size=16)
+    params = SamplingParams(max_tokens=4, temperature=1.0)
+    seeds = [11, 12, 13, 14]
+    indices = [0, 1, 0, 1]
+    lockstep = run_episodes(
+        BuiltinEngine(model, config=config),
+        [BlackJackEnv() for _ in seeds],
+        seeds,
+        ["g"] * 4,
+        chat,
+        params,
+        max_turns=6,
+        sampling_seed=5,
+        sample_indices=indices,
+    )
+    loop = EngineThread(BuiltinEngine(model, config=config)).start()
+
+    async def play():
+        async def gen(request: SampleRequest):
+            return await loop.generate(request, 60.0)
+
+        return await asyncio.gather(
+            *(
+                play_episode(gen, BlackJackEnv(), s, "g", chat, params, 6, sampling_seed=5, sample_index=j)
+                for s, j in zip(seeds, indices, strict=True)
+            )
+        )
+
+    try:
+        concurrent = asyncio.run(play())
+    finally:
+        loop.stop()
+    for a, b in zip(lockstep, concurrent, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.loss_mask == b.loss_mask
+        assert a.reward == b.reward
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_engine_loop_swaps_weights_in_flight(model_and_chat) -> None:
+    model, _ = model_and_chat
+    engine = BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=4))
+    loop = EngineThread(engine).start()
+    try:
+        long = loop.submit(SampleRequest([1, 5, 6], SamplingParams(max_tokens=300, temperature=1.0, seed=1)))
+        while loop.steps < 3:  # the request is decoding
+            time.sleep(0.001)
+        loop.update_weights(WeightUpdate(1, {k: v + 0.01 for k, v in model.state_dict().items()}))
+        completion = long.result(timeout=60)
+        assert completion.finish_reason == "length"
+        assert completion.versions[0] == 0 and completion.versions[-1] == 1  # swapped while it ran
+        assert completion.versions == sorted(completion.versions)
+    finally:
+        loop.stop()
+    with pytest.raises(EngineThreadError, match="stopped"):
+        loop.submit(SampleRequest([1, 2], SamplingParams(max_tokens=2)))
+
+
+def test_engine_loop_times_out_with_a_message(model_and_chat) -> None:
+    model, _ = model_and_chat
+    loop = EngineThread(BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=2)))  # never started
+    with pytest.raises(TimeoutError, match=r"did not finish within 0\.05 s"):
+        asyncio.run(loop.generate(SampleRequest([1, 2], SamplingParams(max_tokens=2)), timeout_s=0.05))
+
+
+def test_guess_number_rewards_and_format_errors(model_and_chat) -> None:
+    _, chat = model_and_chat
+    params = SamplingParams(max_tokens=6)
+
+    def run(reply, target: int):
+        ctx = RolloutContext(scripted_policy(chat, reply), chat, params)
+        return asyncio.run(guess_number.generate_rollout(ctx, {"target": target}))
+
+    guesses = iter(["512", "256", "300"])
+    found = run(lambda t: next(guesses), 300)
+    assert found.metrics["found"] == 1.0 and found.metrics["turns"] == 3
+    assert found.reward == pytest.approx(2.0)
+    bad = run(lambda t: "hit me", 300)
+    assert bad.reward == guess_number.FORMAT_PENALTY and bad.metrics["format_errors"] == 1.0
+    # Feedback narrows the range: 12 wrong guesses of 1 against 1024 leave 1023 numbers possible.
+    stuck = run(lambda t: "1", 1024)
+    assert stuck.metrics["found"] == 0.0
+    assert stuck.reward == pytest.approx(1 - math.log2(1023) / 10)
+    # The warm-up's scripted guesser stays consistent with the feedback it has seen.
+    guesser = guess_number.consistent_guesser(0)
+    transcript = "500 is too low. Higher. 520 is too high. Lower."
+    assert all(501 <= int(guesser(transcript)) <= 519 for _ in range(50))
