@@ -113,9 +113,13 @@ class EngineThread:
                 if self._stop.is_set():
                     return
                 t0 = time.perf_counter()
-                self._wake.wait(self._idle_wait_s)
+                woken = self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
                 self.idle_s += time.perf_counter() - t0
+                if woken:
+                    # Idle, but maybe new weights arrived: a step with nothing to decode installs them,
+                    # so `version` moves on (admission waits for it) without waiting for a request.
+                    self.engine.step()
         except BaseException as e:  # the engine is in an unknown state: fail everyone, accept nothing
             self._error = e
             self._fail_all(EngineThreadError(f"the engine failed: {e!r}"))

@@ -1,0 +1,201 @@
+"""`inflight bench pipeline`: the asynchronous pipeline against synchronous training, side by side.
+
+(a) BlackJack (the `make run` recipe's settings, after its warm-up): the sync loop
+    (`orchestrator/sync_loop.py`, both cores on each phase) against the pipeline (`mode=async`,
+    max_staleness_steps=2, one core for the engine thread and one for the trainer thread).
+(b) A latency task: 3 turns per episode, each environment reply taking 50-500 ms (uniform, an
+    asyncio sleep standing for a remote environment or a tool), and long-tailed completion lengths
+    (max_tokens per turn drawn from a Pareto law, 4..96). Its "sync" side is the same pipeline with
+    max_staleness_steps=0: rollouts of a step still run concurrently, but generation and training
+    never overlap (the sync loop itself would play the environments' latencies one after another,
+    which would flatter the async side).
+
+Both sides of a pair start from the same weights and run the same number of steps; completions/s
+counts the trained rollouts over the wall time, and "reward after equal wall time" is each side's
+mean training reward over its last 5 steps finished before the faster side's end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inflight.config import GRPOConfig, PipelineConfig, RunConfig, SamplingConfig
+from inflight.metrics.logger import MetricsLogger
+from inflight.orchestrator.pipeline import PipelineParts, run_pipeline
+from inflight.orchestrator.run import train
+from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, pad_id
+from inflight.orchestrator.sync_loop import LoopParts
+from inflight.rollouts.api import RolloutContext
+from inflight.rollouts.chat import ChatFormat
+from inflight.trainer import LossConfig, TrainerConfig
+from inflight.types import Rollout, SamplingParams
+
+
+class LatencyTask:
+    """3 turns; each environment reply takes 50-500 ms; reply lengths are long-tailed."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    def problem(self, k: int) -> dict[str, Any]:
+        return {"k": k, "group_id": str(k)}
+
+    async def generate_rollout(self, ctx: RolloutContext, problem: dict[str, Any]) -> Rollout:
+        rng = random.Random(hash((self.seed, problem["k"], ctx.sample_index)))
+        chat = ctx.chat()
+        chat.user(f"Task {problem['k']}: write digits.")
+        digits = 0
+        chars = 0
+        for turn in range(3):
+            max_tokens = min(96, int(4 * rng.paretovariate(1.2)))
+            reply = await chat.assistant(SamplingParams(max_tokens=max_tokens, temperature=1.0))
+            digits += sum(ch.isdigit() for ch in reply)
+            chars += len(reply)
+            await asyncio.sleep(rng.uniform(0.05, 0.5))  # the environment's latency
+            if turn < 2:
+                chat.user("Go on.")
+        return chat.to_rollout(digits / max(chars, 1))
+
+
+def _summary(history: list[dict[str, float]], wall_s: float, rollouts_per_step: int) -> dict[str, Any]:
+    steps = len(history)
+    out: dict[str, Any] = {
+        "completions_per_s": round(steps * rollouts_per_step / wall_s, 2),
+        "wall_s": round(wall_s, 1),
+        "steps": steps,
+        "reward_first5": round(statistics.fmean(h["reward_mean"] for h in history[:5]), 4),
+    }
+    for key in ("trainer_idle_frac", "engine_idle_frac", "weight_publish_s", "lag_steps_max"):
+        values = [h[key] for h in history if key in h]
+        if values:
+            out[f"{key}_mean"] = round(statistics.fmean(values), 4)
+    lag = {k: round(statistics.fmean(h[k] for h in history), 4) for k in history[-1] if k.startswith("lag_")}
+    if lag:
+        out["lag"] = lag
+    return out
+
+
+def _reward_at(history: list[dict[str, float]], t_s: float) -> float:
+    """Mean training reward of the last 5 steps that ended by t_s (step ends from cumulative step_s)."""
+    ends, t = [], 0.0
+    for h in history:
+        t += h.get("step_s", 0.0) or h.get("sample_s", 0.0)
+        ends.append(t)
+    done = [h["reward_mean"] for h, end in zip(history, ends, strict=True) if end <= t_s] or [
+        history[0]["reward_mean"]
+    ]
+    return round(statistics.fmean(done[-5:]), 4)
+
+
+def _pair(results: dict[str, dict[str, Any]], histories: dict[str, list]) -> float:
+    t_equal = min(r["wall_s"] for r in results.values())
+    for mode, r in results.items():
+        r["reward_at_equal_wall"] = _reward_at(histories[mode], t_equal)
+    return round(results["async"]["completions_per_s"] / results["sync"]["completions_per_s"], 3)
+
+
+def blackjack(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from inflight.orchestrator.warmup import format_warmup
+    from inflight.recipes import blackjack as recipe
+    from inflight.recipes.common import env_factory
+
+    cfg = recipe.preset()
+    cfg.progress = False
+    cfg.warmup.sft_steps = args.warmup_steps
+    cfg.grpo.steps = args.steps
+    model, tokenizer = load_policy(cfg)
+    chat = ChatFormat(tokenizer)
+    new_env = env_factory(cfg)
+    torch.set_num_threads(2)
+    format_warmup(model, pad_id(tokenizer), chat, new_env, cfg, MetricsLogger(tmp / "warmup"))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    results, histories = {}, {}
+    for mode in ("sync", "async"):
+        model.load_state_dict(start)
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.mode = mode
+        run_cfg.pipeline.max_staleness_steps = args.max_staleness
+        torch.set_num_threads(2)
+        parts = LoopParts(
+            build_engine(run_cfg, model, tokenizer),
+            build_trainer(model, tokenizer, run_cfg.trainer),
+            chat,
+            new_env,
+        )
+        t0 = time.perf_counter()
+        histories[mode] = train(parts, run_cfg, MetricsLogger(tmp / f"bj-{mode}"), tmp / f"bj-{mode}")
+        results[mode] = _summary(
+            histories[mode], time.perf_counter() - t0, cfg.grpo.prompts_per_step * cfg.grpo.group_size
+        )
+    ratio = _pair(results, histories)
+    return {"ratio": ratio, **results}
+
+
+def latency_task(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    cfg = RunConfig(
+        recipe="bench-latency",
+        mode="async",
+        progress=False,
+        trainer=TrainerConfig(lr=1e-4, micro_batch_size=64, loss=LossConfig(name="ppo")),
+        sampling=SamplingConfig(max_tokens_per_turn=32),
+        grpo=GRPOConfig(steps=args.steps, prompts_per_step=8, group_size=8, advantage="mean_std"),
+        pipeline=PipelineConfig(max_groups_in_flight=32),
+    )
+    model, tokenizer = load_policy(cfg)
+    chat = ChatFormat(tokenizer)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    results, histories = {}, {}
+    for mode, staleness in (("sync", 0), ("async", args.max_staleness)):
+        model.load_state_dict(start)
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.pipeline.max_staleness_steps = staleness
+        parts = PipelineParts(
+            build_engine(run_cfg, model, tokenizer),
+            build_trainer(model, tokenizer, run_cfg.trainer),
+            chat,
+            LatencyTask(),
+        )
+        t0 = time.perf_counter()
+        histories[mode] = run_pipeline(
+            parts, run_cfg, MetricsLogger(tmp / f"lat-{mode}"), tmp / f"lat-{mode}"
+        )
+        results[mode] = _summary(histories[mode], time.perf_counter() - t0, 64)
+    ratio = _pair(results, histories)
+    return {"ratio": ratio, **results}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="inflight bench pipeline", description=__doc__)
+    parser.add_argument("--steps", type=int, default=30, help="training steps per side")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=100, help="BlackJack warm-up (shared by both sides)"
+    )
+    parser.add_argument("--max-staleness", type=int, default=2, help="the async side's max_staleness_steps")
+    parser.add_argument("--only", choices=["blackjack", "latency"], help="run one of the two pairs")
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {
+        "benchmark": "pipeline",
+        "steps": args.steps,
+        "max_staleness": args.max_staleness,
+    }
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-pipeline-") as tmp:
+        if args.only in (None, "latency"):
+            lat = latency_task(args, Path(tmp))
+            result["ratio_latency_task"] = lat.pop("ratio")
+            result["latency_task"] = lat
+        if args.only in (None, "blackjack"):
+            bj = blackjack(args, Path(tmp))
+            result["ratio_blackjack"] = bj.pop("ratio")
+            result["blackjack"] = bj
+    print(json.dumps(result))
+    return result

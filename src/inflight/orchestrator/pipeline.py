@@ -1,0 +1,343 @@
+"""The asynchronous GRPO pipeline: generation and training overlap, every token knows its weights.
+
+Dataflow (one process; the engine and the trainer each own a thread, rollouts share an asyncio loop):
+
+    problems ──► admission ──► rollout workers (asyncio tasks, up to max_groups_in_flight groups)
+                 buffer.admit()    │  task.generate_rollout(ctx, problem) x group_size
+                                   │        │ tokens  ▲
+                                   │        ▼         │
+                                   │   engine loop thread: continuous batching; new weights are
+                                   │   applied between two decode steps (nothing drains)
+                                   ▼                            ▲
+                 result stream (file log | Redis | memory)      │ weight sync (publish: version v)
+                                   │ reader                     │
+                                   ▼                            │
+                 buffer: staleness bound, active sampling ──► trainer thread: advantages -> loss ->
+                 (oldest first, every filter/drop counted)     optimizer step -> checkpoint + offsets
+
+Lag of a token = trainer version when it is trained - version of the weights that sampled it. The
+buffer admits a prompt only while the bound `max_staleness_steps` can still hold, so nothing has to
+be thrown away for being stale. With the bound at 0 and active sampling off, every batch is sampled
+by the weights of the step that trains on it: the sync loop's samples, step for step.
+
+Resume: a checkpoint holds trainer + optimizer + step, the result stream's read offset, the buffered
+groups and the problems in flight. A restart with the same run directory re-reads the stream past the
+offset, re-issues the problems whose results never reached it, and goes on.
+
+Shutdown order: (1) stop admitting prompts; (2) the trainer finishes its last step and writes its
+checkpoint; (3) cancel the rollouts still in flight (their problems are in the checkpoint and will be
+re-issued on resume); (4) stop the engine loop (aborting its requests); (5) close the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inflight.buffer.buffer import RolloutBuffer
+from inflight.buffer.streams import open_stream
+from inflight.buffer.codec import decode_group, encode_group
+from inflight.config import RunConfig
+from inflight.inference.engine_thread import EngineThread
+from inflight.metrics.logger import MetricsLogger
+from inflight.metrics.progress import StepProgress
+from inflight.orchestrator.sync_loop import rollout_metrics, sampling_params, to_train_samples
+from inflight.rollouts.api import RolloutContext
+from inflight.rollouts.chat import ChatFormat
+from inflight.trainer import Trainer
+from inflight.trainer.checkpoint import load_checkpoint, save_checkpoint
+from inflight.types import Completion, Rollout, RolloutGroup, SampleRequest, WeightUpdate
+
+
+@dataclass
+class PipelineParts:
+    engine: Any  # a BuiltinEngine; the pipeline drives it through an EngineThread
+    trainer: Trainer
+    chat: ChatFormat
+    task: Any  # `problem(k) -> dict` and `async generate_rollout(ctx, problem) -> Rollout`
+
+
+@dataclass
+class _State:
+    """What the producers, the reader and the trainer share (under `lock`)."""
+
+    next_problem: int = 0
+    reissue: list[int] = field(default_factory=list)  # problems to redo first (after a resume)
+    in_flight: set[int] = field(default_factory=set)  # admitted, result not yet read from the stream
+    read_offset: int = -1  # the last stream record put into the buffer
+    rollout_errors: int = 0
+    groups_dropped_errors: int = 0
+    stopping: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class LoopEngine:
+    """`generate(requests)` through the engine loop: the recipe's evaluation while the pipeline runs."""
+
+    def __init__(self, loop: EngineThread) -> None:
+        self._loop = loop
+
+    @property
+    def version(self) -> int:
+        return self._loop.version
+
+    def generate(self, requests: list[SampleRequest]) -> list[Completion]:
+        futures = [self._loop.submit(r) for r in requests]
+        return [f.result(timeout=600) for f in futures]
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        self._loop.update_weights(update)
+
+
+def _record(problem_index: int, group: RolloutGroup) -> bytes:
+    return json.dumps({"problem": problem_index, "group": encode_group(group).decode()}).encode()
+
+
+def _parse(record: bytes) -> tuple[int, RolloutGroup]:
+    obj = json.loads(record)
+    return int(obj["problem"]), decode_group(obj["group"].encode())
+
+
+class _Pipeline:
+    def __init__(self, parts: PipelineParts, cfg: RunConfig, logger: MetricsLogger, run_dir: Path) -> None:
+        self.parts, self.cfg, self.logger, self.run_dir = parts, cfg, logger, run_dir
+        p = cfg.pipeline
+        self.buffer = RolloutBuffer(cfg.grpo.prompts_per_step, p.max_staleness_steps, p.active_sampling)
+        self.state = _State()
+        self.start_step = self._resume()
+        self.stream = open_stream(p.stream_url or f"file://{(run_dir / 'streams' / 'results').resolve()}")
+        self.drain()  # results that reached the stream before a crash, past the checkpoint's offset
+        self.loop = EngineThread(parts.engine)
+        self.history: list[dict[str, float]] = []
+
+    # -- resume and checkpoints -------------------------------------------------------------------
+    def _resume(self) -> int:
+        """Restore the last checkpoint if there is one; returns the step to start from."""
+        if not (self.run_dir / "checkpoint").is_dir():
+            return 0
+        meta = load_checkpoint(self.parts.trainer, self.run_dir / "checkpoint")
+        saved = meta.get("pipeline")
+        if saved is None:  # a sync-loop checkpoint: continue from its weights and step
+            return int(meta.get("step", 0))
+        self.buffer.load_state_dict(saved["buffer"])
+        self.state.next_problem = int(saved["next_problem"])
+        self.state.read_offset = int(saved["read_offset"])
+        self.state.reissue = sorted(int(k) for k in saved["in_flight"])
+        return int(meta["step"])
+
+    def checkpoint(self, step: int) -> None:
+        """Trainer + optimizer + step + stream offset + buffered groups + problems in flight, atomically."""
+        state = self.state
+        with state.lock:  # the reader cannot move groups from the stream into the buffer meanwhile
+            saved = {
+                "buffer": self.buffer.state_dict(),
+                "next_problem": state.next_problem,
+                "read_offset": state.read_offset,
+                "in_flight": sorted(state.in_flight | set(state.reissue)),
+            }
+        save_checkpoint(
+            self.parts.trainer, self.run_dir / "checkpoint", extra={"step": step, "pipeline": saved}
+        )
+
+    # -- stream -> buffer ---------------------------------------------------------------------------
+    def drain(self, timeout_s: float = 0.0) -> int:
+        """Move the stream's new records into the buffer; returns how many."""
+        state = self.state
+        records = self.stream.read(after=state.read_offset, max_count=1024, timeout_s=timeout_s)
+        for offset, record in records:
+            k, group = _parse(record)
+            with state.lock:
+                self.buffer.put(group)
+                state.read_offset = offset
+                state.in_flight.discard(k)
+                if k in state.reissue:  # its result reached the stream before the crash
+                    state.reissue.remove(k)
+        return len(records)
+
+    # -- rollout workers ----------------------------------------------------------------------------
+    async def generate(self, request: SampleRequest) -> Completion:
+        return await self.loop.generate(request, self.cfg.pipeline.rollout_timeout_s)
+
+    async def rollout_group(self, k: int) -> None:
+        cfg, parts = self.cfg, self.parts
+        problem = parts.task.problem(k)
+        group_id = str(problem.get("group_id", k))
+        params = sampling_params(cfg)
+
+        async def one(j: int) -> Rollout:
+            ctx = RolloutContext(self.generate, parts.chat, params, group_id, k, j, cfg.seed, cfg)
+            return await parts.task.generate_rollout(ctx, problem)
+
+        results = await asyncio.gather(*(one(j) for j in range(cfg.grpo.group_size)), return_exceptions=True)
+        for r in results:
+            if isinstance(r, asyncio.CancelledError):
+                raise r  # shutting down: the problem stays in flight and is re-issued on resume
+        rollouts = [r for r in results if isinstance(r, Rollout)]
+        for r in rollouts:
+            r.group_id = group_id
+        with self.state.lock:
+            self.state.rollout_errors += len(results) - len(rollouts)
+            if len(rollouts) < 2:  # no baseline left to compare with: the group is dropped, counted
+                self.state.groups_dropped_errors += 1
+                self.state.in_flight.discard(k)
+                self.buffer.cancel()
+                return
+        self.stream.append(_record(k, RolloutGroup(group_id, rollouts)))
+
+    async def produce(self, stop: asyncio.Event) -> None:
+        """Admit problems while the staleness bound and the in-flight limit allow; one task per group."""
+        state, tasks = self.state, set()
+        try:
+            while not stop.is_set():
+                with state.lock:
+                    room = len(state.in_flight) < self.cfg.pipeline.max_groups_in_flight
+                    admitted = room and self.buffer.admit(self.loop.version, self.parts.trainer.version)
+                    if admitted:
+                        if state.reissue:
+                            k = state.reissue.pop(0)
+                        else:
+                            k, state.next_problem = state.next_problem, state.next_problem + 1
+                        state.in_flight.add(k)
+                if not admitted:
+                    await asyncio.sleep(0.002)
+                    continue
+                task = asyncio.create_task(self.rollout_group(k))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- trainer --------------------------------------------------------------------------------------
+    def next_batch(self) -> list[RolloutGroup]:
+        """The buffer's next batch; waits at most batch_timeout_s, in slices so a shutdown is not stuck."""
+        deadline = time.monotonic() + self.cfg.pipeline.batch_timeout_s
+        while True:
+            if self.state.stopping:
+                raise _Stopped
+            try:
+                return self.buffer.get_batch(
+                    self.parts.trainer.version, min(1.0, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+
+    def train(self, evaluate: Callable[[], dict[str, float]] | None) -> None:
+        cfg, trainer, loop = self.cfg, self.parts.trainer, self.loop
+        title = f"{cfg.recipe} (async GRPO)"
+        with StepProgress(cfg.grpo.steps, title, enabled=cfg.progress) as progress:
+            for step in range(self.start_step, cfg.grpo.steps):
+                t0 = time.perf_counter()
+                batch = self.next_batch()
+                t_wait = time.perf_counter() - t0
+                batch.sort(key=lambda g: _problem_order(g.group_id))  # the sync loop's order: same sums
+                metrics = rollout_metrics([r for g in batch for r in g.rollouts])
+                with self.state.lock:
+                    metrics.update(self.buffer.step_metrics(batch, trainer.version))
+                    metrics["rollout_errors"] = float(self.state.rollout_errors)
+                    metrics["groups_dropped_errors"] = float(self.state.groups_dropped_errors)
+                informative = [g for g in batch if g.is_informative]
+                metrics["groups_uninformative_frac"] = 1 - len(informative) / len(batch)
+                samples = to_train_samples(informative, cfg.grpo.advantage)
+                if samples:
+                    metrics.update(trainer.train_step(samples))
+                    t1 = time.perf_counter()
+                    loop.update_weights(WeightUpdate(trainer.version, trainer.weights()))  # in flight
+                    metrics["weight_publish_s"] = time.perf_counter() - t1
+                else:
+                    metrics["steps_skipped"] = 1.0  # nothing informative: no update, counted
+                step_s = time.perf_counter() - t0
+                metrics.update(
+                    version=float(trainer.version),
+                    trainer_wait_s=t_wait,
+                    trainer_idle_frac=t_wait / step_s,
+                    step_s=step_s,
+                    engine_idle_frac=loop.idle_s / max(loop.idle_s + loop.busy_s, 1e-9),
+                )
+                self.logger.log(step, metrics)
+                self.history.append(metrics)
+                progress.update(step + 1, metrics["reward_mean"])
+                if cfg.checkpoint_every_steps and (step + 1) % cfg.checkpoint_every_steps == 0:
+                    self.checkpoint(step + 1)
+                if evaluate and cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
+                    self.logger.log(step + 1, evaluate(), phase="eval")
+
+    # -- wiring ---------------------------------------------------------------------------------------
+    def run(self, evaluate: Callable[[Any], dict[str, float]] | None) -> list[dict[str, float]]:
+        loop, trainer = self.loop.start(), self.parts.trainer
+        loop.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+        errors: list[BaseException] = []
+        eval_engine = LoopEngine(loop)
+
+        def train_thread() -> None:
+            try:
+                self.train((lambda: evaluate(eval_engine)) if evaluate else None)
+            except _Stopped:
+                pass
+            except BaseException as e:
+                errors.append(e)
+
+        async def main() -> None:
+            stop = asyncio.Event()
+            producer = asyncio.create_task(self.produce(stop))
+            thread = threading.Thread(target=train_thread, name="trainer", daemon=True)
+            thread.start()
+            try:
+                while thread.is_alive():
+                    if producer.done():
+                        errors.append(producer.exception() or RuntimeError("the producer stopped"))
+                        break
+                    if not await asyncio.to_thread(self.drain, 0.05):
+                        await asyncio.sleep(0.001)
+            finally:
+                self.state.stopping = True
+                stop.set()  # (1) no more admissions
+                await asyncio.to_thread(thread.join)  # (2) the trainer's last step and checkpoint
+                await producer  # (3) cancel the rollouts in flight
+
+        try:
+            asyncio.run(main())
+        finally:
+            loop.stop()  # (4)
+            self.stream.close()  # (5)
+        if errors:
+            raise errors[0]
+        done = len(self.history) + self.start_step
+        if not self.cfg.checkpoint_every_steps or done % self.cfg.checkpoint_every_steps:
+            self.checkpoint(done)
+        return self.history
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _problem_order(group_id: str) -> tuple[Any, ...]:
+    """Sort key of group ids like "12-345" (step-seed) or "7": numbers compared as numbers."""
+    try:
+        return (0, *(int(x) for x in group_id.split("-")))
+    except ValueError:
+        return (1, group_id)
+
+
+def run_pipeline(
+    parts: PipelineParts,
+    cfg: RunConfig,
+    logger: MetricsLogger,
+    run_dir: str | Path,
+    evaluate: Callable[[Any], dict[str, float]] | None = None,
+) -> list[dict[str, float]]:
+    """Train up to cfg.grpo.steps steps (continuing a checkpoint in run_dir); returns this run's metrics.
+
+    `evaluate(engine)` (the recipe's held-out evaluation) gets an engine it may call while the
+    pipeline runs.
+    """
+    return _Pipeline(parts, cfg, logger, Path(run_dir)).run(evaluate)
