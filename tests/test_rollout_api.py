@@ -17,7 +17,7 @@ import torch
 
 from inflight.envs.blackjack import BlackJackEnv
 from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
-from inflight.inference.engine_thread import EngineThread, EngineThreadError
+from inflight.inference.engine_loop import EngineLoop, EngineLoopError
 from inflight.models import load_model, load_tokenizer
 from inflight.recipes import guess_number
 from inflight.rollouts.api import RolloutContext, scripted_policy
@@ -100,7 +100,7 @@ def test_play_episode_matches_run_episodes(model_and_chat) -> None:
         sampling_seed=5,
         sample_indices=indices,
     )
-    loop = EngineThread(BuiltinEngine(model, config=config)).start()
+    loop = EngineLoop(BuiltinEngine(model, config=config)).start()
 
     async def play():
         async def gen(request: SampleRequest):
@@ -127,7 +127,7 @@ def test_play_episode_matches_run_episodes(model_and_chat) -> None:
 def test_engine_loop_swaps_weights_in_flight(model_and_chat) -> None:
     model, _ = model_and_chat
     engine = BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=4))
-    loop = EngineThread(engine).start()
+    loop = EngineLoop(engine).start()
     try:
         long = loop.submit(SampleRequest([1, 5, 6], SamplingParams(max_tokens=300, temperature=1.0, seed=1)))
         while loop.steps < 3:  # the request is decoding
@@ -139,13 +139,13 @@ def test_engine_loop_swaps_weights_in_flight(model_and_chat) -> None:
         assert completion.versions == sorted(completion.versions)
     finally:
         loop.stop()
-    with pytest.raises(EngineThreadError, match="stopped"):
+    with pytest.raises(EngineLoopError, match="stopped"):
         loop.submit(SampleRequest([1, 2], SamplingParams(max_tokens=2)))
 
 
 def test_engine_loop_times_out_with_a_message(model_and_chat) -> None:
     model, _ = model_and_chat
-    loop = EngineThread(BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=2)))  # never started
+    loop = EngineLoop(BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=2)))  # never started
     with pytest.raises(TimeoutError, match=r"did not finish within 0\.05 s"):
         asyncio.run(loop.generate(SampleRequest([1, 2], SamplingParams(max_tokens=2)), timeout_s=0.05))
 

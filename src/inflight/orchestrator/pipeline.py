@@ -40,11 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from inflight.buffer.buffer import RolloutBuffer
-from inflight.buffer.streams import open_stream
 from inflight.buffer.codec import decode_group, encode_group
+from inflight.buffer.streams import open_stream
 from inflight.config import RunConfig
-from inflight.inference.engine_thread import EngineThread
+from inflight.inference.engine_loop import EngineLoop
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
 from inflight.orchestrator.sync_loop import rollout_metrics, sampling_params, to_train_samples
@@ -57,7 +59,7 @@ from inflight.types import Completion, Rollout, RolloutGroup, SampleRequest, Wei
 
 @dataclass
 class PipelineParts:
-    engine: Any  # a BuiltinEngine; the pipeline drives it through an EngineThread
+    engine: Any  # a BuiltinEngine; the pipeline drives it through an EngineLoop
     trainer: Trainer
     chat: ChatFormat
     task: Any  # `problem(k) -> dict` and `async generate_rollout(ctx, problem) -> Rollout`
@@ -80,7 +82,7 @@ class _State:
 class LoopEngine:
     """`generate(requests)` through the engine loop: the recipe's evaluation while the pipeline runs."""
 
-    def __init__(self, loop: EngineThread) -> None:
+    def __init__(self, loop: EngineLoop) -> None:
         self._loop = loop
 
     @property
@@ -113,7 +115,7 @@ class _Pipeline:
         self.start_step = self._resume()
         self.stream = open_stream(p.stream_url or f"file://{(run_dir / 'streams' / 'results').resolve()}")
         self.drain()  # results that reached the stream before a crash, past the checkpoint's offset
-        self.loop = EngineThread(parts.engine)
+        self.loop = EngineLoop(parts.engine)
         self.history: list[dict[str, float]] = []
 
     # -- resume and checkpoints -------------------------------------------------------------------
@@ -272,6 +274,8 @@ class _Pipeline:
 
     # -- wiring ---------------------------------------------------------------------------------------
     def run(self, evaluate: Callable[[Any], dict[str, float]] | None) -> list[dict[str, float]]:
+        # One core each for the engine thread and the trainer thread (torch's pool is process-wide).
+        torch.set_num_threads(self.cfg.pipeline.torch_threads)
         loop, trainer = self.loop.start(), self.parts.trainer
         loop.update_weights(WeightUpdate(trainer.version, trainer.weights()))
         errors: list[BaseException] = []

@@ -19,7 +19,7 @@ from typing import Any
 
 from inflight.config import EvalConfig, GRPOConfig, PipelineConfig, RunConfig, SamplingConfig, WarmupConfig
 from inflight.inference.builtin import BuiltinEngineConfig
-from inflight.inference.engine_thread import EngineThread
+from inflight.inference.engine_loop import EngineLoop
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.plot import plot_run
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, make_run_dir, pad_id
@@ -132,7 +132,7 @@ def preset() -> RunConfig:
 def evaluate(engine: Any, chat: ChatFormat, cfg: RunConfig, num_problems: int) -> dict[str, float]:
     """Greedy play on the first test targets; `engine` is a BuiltinEngine not driven by anyone else."""
     problems = load_problems("test")[:num_problems]
-    loop = EngineThread(engine).start()
+    loop = EngineLoop(engine).start()
     params = SamplingParams(max_tokens=cfg.sampling.max_tokens_per_turn, temperature=0.0)
 
     async def play() -> list[Rollout]:

@@ -1,0 +1,177 @@
+"""The engine's step thread: drives one BuiltinEngine so that callers in other threads (HTTP handlers,
+the pipeline's rollout workers and trainer) submit requests that join the running batch (continuous
+batching) and publish weights in flight.
+
+Owns the step thread and the futures of requests in flight; knows nothing about HTTP. Callers go away
+all the time (clients disconnect, rollouts time out, fail over): a future its caller cancelled is
+simply dropped, and a failed step is kept as `error` for /health to report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any
+
+from inflight.types import Completion, SampleRequest, WeightUpdate
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoopError(RuntimeError):
+    """The loop cannot take requests: it was stopped, or its step failed (the message says why)."""
+
+
+class EngineLoop:
+    """`submit(request) -> Future[Completion]` and `update_weights(update)` from any thread.
+
+    The engine is stepped only by this loop's thread; add_request/abort/update_weights are the engine's
+    thread-safe entry points, so callers never wait for a step to submit.
+    """
+
+    def __init__(self, engine: Any, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine  # a BuiltinEngine (anything with its step/add_request/abort/update_weights)
+        self._idle_wait_s = idle_wait_s  # a wake-up ends the wait early; this only bounds a missed one
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _futures and _error
+        self._futures: dict[str, concurrent.futures.Future[Completion]] = {}
+        self._error: str | None = None
+        # Seconds the thread spent stepping and waiting for work (the pipeline's idle fractions).
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self.steps = 0
+
+    @property
+    def version(self) -> int:
+        """The weights version the engine is generating with (a pending update is not counted yet)."""
+        return int(self.engine.version)
+
+    @property
+    def error(self) -> str | None:
+        """Why the step thread stopped on its own; None while it runs (or after a plain stop())."""
+        return self._error
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> EngineLoop:
+        if self._thread is not None:
+            raise EngineLoopError("the engine loop was already started")
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Abort the requests in flight (their futures get finish_reason "abort") and end the thread."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the engine loop thread did not stop within %.0f s", timeout_s)
+        self._fail_all(EngineLoopError("the engine loop is stopped"))
+
+    def submit(self, request: SampleRequest) -> concurrent.futures.Future[Completion]:
+        """Queue a request; ValueError if the engine rejects it, EngineLoopError once stopped or failed."""
+        self._check_open()
+        future: concurrent.futures.Future[Completion] = concurrent.futures.Future()
+        with self._lock:
+            self._futures[request.request_id] = future
+        try:
+            self.engine.add_request(request)
+        except Exception:
+            with self._lock:
+                self._futures.pop(request.request_id, None)
+            raise
+        self._wake.set()
+        return future
+
+    async def generate(self, request: SampleRequest, timeout_s: float) -> Completion:
+        """Await one completion from an asyncio loop (which never blocks); aborted on timeout."""
+        future = self.submit(request)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except TimeoutError:
+            self.engine.abort(request.request_id)
+            raise TimeoutError(
+                f"engine request {request.request_id} ({len(request.prompt_token_ids)} prompt tokens, "
+                f"max_tokens={request.params.max_tokens}) did not finish within {timeout_s} s"
+            ) from None
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Copy the weights now (caller's thread); the loop installs them between two decode steps."""
+        self._check_open()
+        self.engine.update_weights(update)
+        self._wake.set()
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise EngineLoopError(f"the engine loop stopped after a failed step: {self._error}")
+        if self._stop.is_set():
+            raise EngineLoopError("the engine loop is stopped")
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._wake.clear()  # cleared before the check: work added after it sets the event again
+            if not (engine.has_unfinished() or engine.has_pending_update()):
+                t0 = time.perf_counter()
+                self._wake.wait(self._idle_wait_s)
+                self.idle_s += time.perf_counter() - t0
+                continue
+            t0 = time.perf_counter()
+            ok = self._step()
+            self.busy_s += time.perf_counter() - t0
+            self.steps += 1
+            if not ok:
+                return
+        with self._lock:
+            in_flight = list(self._futures)
+        for request_id in in_flight:  # stop: aborted requests finish in the next step
+            engine.abort(request_id)
+        while engine.has_unfinished() and self._step():
+            pass
+
+    def _step(self) -> bool:
+        try:
+            finished = self.engine.step()
+        except Exception as exc:  # the engine's state is unknown now: fail every caller, report why
+            log.exception("engine step failed")
+            with self._lock:
+                self._error = f"{type(exc).__name__}: {exc}"
+            self._fail_all(EngineLoopError(f"the engine step failed: {self._error}"))
+            return False
+        for completion in finished:
+            with self._lock:
+                future = self._futures.pop(completion.request_id, None)
+            if future is not None:
+                _settle(future, result=completion)
+        return True
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            futures, self._futures = list(self._futures.values()), {}
+        for future in futures:
+            _settle(future, error=error)
+
+
+def _settle(
+    future: concurrent.futures.Future[Completion],
+    result: Completion | None = None,
+    error: BaseException | None = None,
+) -> None:
+    # A caller may cancel its future from another thread at any moment (asyncio.wrap_future does so when
+    # the awaiting task is cancelled): a cancelled future just has no reader left.
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except concurrent.futures.InvalidStateError:
+        pass
