@@ -77,7 +77,10 @@ def _start(env: Environment, seed: int, group_id: str, chat: ChatFormat, sample_
 
 def _advance(ep: Episode, reply_text: str, chat: ChatFormat, max_turns: int) -> None:
     """Apply the policy's reply to the environment and append the environment's answer."""
-    obs = ep.env.step(TextAction(text=reply_text))
+    _observe(ep, ep.env.step(TextAction(text=reply_text)), chat, max_turns)
+
+
+def _observe(ep: Episode, obs: Any, chat: ChatFormat, max_turns: int) -> None:
     ep.turns += 1
     ep.last_obs = obs
     if obs.done:
@@ -103,12 +106,16 @@ def _with_end_of_turn(params: SamplingParams, chat: ChatFormat) -> SamplingParam
     return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, chat.end_of_turn_id))
 
 
-def _take_reply(ep: Episode, c: Completion, chat: ChatFormat, max_turns: int) -> None:
+def _add_reply(ep: Episode, c: Completion, chat: ChatFormat) -> str:
     ep.add_policy(c.token_ids, c.logprobs, c.versions)
     if c.finish_reason == "length" and c.token_ids[-1:] != [chat.end_of_turn_id]:
         # The reply never ended its turn: the env judges the text as is (usually a format error).
         ep.finish_reason = "length"
-    _advance(ep, chat.reply_text(c.token_ids), chat, max_turns)
+    return chat.reply_text(c.token_ids)
+
+
+def _take_reply(ep: Episode, c: Completion, chat: ChatFormat, max_turns: int) -> None:
+    _advance(ep, _add_reply(ep, c, chat), chat, max_turns)
 
 
 def run_episodes(
@@ -164,7 +171,12 @@ async def play_episode(
     ep = _start(env, seed, group_id, chat, sample_index)
     while not ep.done:
         c = await generate(SampleRequest(ep.token_ids.copy(), _turn_params(params, sampling_seed, ep)))
-        _take_reply(ep, c, chat, max_turns)
+        action = TextAction(text=_add_reply(ep, c, chat))
+        # Environments that wait (sandboxed code, remote servers) offer step_async: the event loop
+        # keeps serving the other rollouts meanwhile.
+        step_async = getattr(env, "step_async", None)
+        obs = await step_async(action) if step_async is not None else env.step(action)
+        _observe(ep, obs, chat, max_turns)
     return ep.to_rollout()
 
 

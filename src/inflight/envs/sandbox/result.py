@@ -1,0 +1,110 @@
+"""What one sandboxed execution returned, and why it failed: `SandboxResult` and `classify`.
+
+Owns the vocabulary of failure reasons; knows nothing of processes (the runner passes in what it saw).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from inflight.envs.sandbox.limits import Isolation
+
+Reason = Literal[
+    "error",  # exited nonzero (an uncaught exception, a failed assert, sys.exit(1))
+    "timeout",  # ran past wall_s: the whole process tree was killed
+    "cpu",  # used cpu_s of CPU time (SIGXCPU, or SIGKILL at the hard limit)
+    "memory",  # an allocation failed under memory_mb (MemoryError)
+    "processes",  # fork/thread creation refused under max_processes
+    "output_limit",  # wrote more than max_output_bytes to stdout or stderr: killed
+    "disk_limit",  # a file grew past max_file_mb, or the private /tmp filled up
+    "network",  # a connection or name lookup failed (there is no network in the sandbox)
+    "filesystem",  # a path outside the private /tmp was missing, hidden or read-only
+    "permission",  # the kernel refused an operation (e.g. signalling a process outside the sandbox)
+    "killed",  # ended by a signal the sandbox did not send
+    "code_too_large",  # the code exceeded max_code_bytes and was not run
+    "sandbox_error",  # the sandbox itself failed to start; the code may never have run
+]
+
+RLIMIT_WARNING = (
+    "rlimit isolation: resource limits only; no network or filesystem isolation (the code can reach the "
+    "network and read every world-readable file). Install bubblewrap (bwrap) for full isolation."
+)
+
+# The last line of a Python traceback: `Name: message` or a bare `Name`.
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?::\s*(.*))?$")
+_ERRNO = re.compile(r"\[Errno (-?\d+)\]")
+_NETWORK_EXCEPTIONS = {"ConnectionRefusedError", "ConnectionResetError", "ConnectionAbortedError"}
+_NETWORK_EXCEPTIONS |= {"socket.gaierror", "gaierror", "socket.herror", "urllib.error.URLError"}
+_NETWORK_ERRNOS = {99, 101, 110, 111, 113, -2, -3, -5}  # EADDRNOTAVAIL ENETUNREACH ETIMEDOUT ECONN...
+_FILESYSTEM_ERRNOS = {2, 13, 20, 21, 30}  # ENOENT EACCES ENOTDIR EISDIR EROFS
+_DISK_ERRNOS = {27, 28, 122}  # EFBIG (RLIMIT_FSIZE) ENOSPC (tmpfs full) EDQUOT
+
+
+class SandboxResult(BaseModel):
+    """One execution. `ok` means exit code 0 within every limit; otherwise `reason` says why not."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ok: bool
+    exit_code: int | None  # negative: killed by that signal; None: never started
+    reason: Reason | None  # None exactly when ok
+    stdout: str
+    stderr: str
+    truncated: bool  # stdout or stderr was cut at max_output_bytes
+    isolation: Isolation
+    wall_s: float
+    warning: str | None = None  # set when the isolation is weaker than bwrap's
+
+    @classmethod
+    def not_run(cls, reason: Reason, message: str, isolation: Isolation) -> SandboxResult:
+        """A failure before or instead of running the code (too large, pool timeout, sandbox failure)."""
+        warning = RLIMIT_WARNING if isolation == "rlimit" else None
+        return cls(
+            ok=False, exit_code=None, reason=reason, stdout="", stderr=message + "\n", truncated=False,
+            isolation=isolation, wall_s=0.0, warning=warning,
+        )  # fmt: skip
+
+    @property
+    def output(self) -> str:
+        """stdout then stderr, as a tool call shows them to a model."""
+        return self.stdout + self.stderr
+
+
+def classify(exit_code: int, stderr: str, killed_for: Reason | None = None) -> Reason | None:
+    """Why an execution failed (None if it did not), from its exit code and the last line of stderr.
+
+    `killed_for` is the reason the runner itself killed the process tree, which always wins. A reason
+    read from a traceback is the sandbox's best reading, not a proof: e.g. code that raises
+    MemoryError itself is reported as "memory".
+    """
+    if killed_for is not None:
+        return killed_for
+    if exit_code == 0:
+        return None
+    if exit_code < 0:
+        signo = -exit_code
+        return "cpu" if signo == signal.SIGXCPU else "disk_limit" if signo == signal.SIGXFSZ else "killed"
+    lines = stderr.rstrip().splitlines()
+    match = _EXCEPTION.match(lines[-1].strip()) if lines else None
+    if match is None:
+        return "error"
+    name, message = match.group(1), match.group(2) or ""
+    errno_match = _ERRNO.search(message)
+    errno = int(errno_match.group(1)) if errno_match else None
+    if name == "MemoryError":
+        return "memory"
+    if (name == "BlockingIOError" and errno == 11) or "can't start new thread" in message:
+        return "processes"
+    if name in _NETWORK_EXCEPTIONS or errno in _NETWORK_ERRNOS:
+        return "network"
+    if errno in _DISK_ERRNOS:
+        return "disk_limit"
+    if errno == 1:  # EPERM: e.g. os.kill of a process outside the sandbox
+        return "permission"
+    if errno in _FILESYSTEM_ERRNOS:
+        return "filesystem"
+    return "error"
