@@ -101,7 +101,15 @@ def register_env(name: str, factory: EnvFactory) -> None:
 
 
 def make_env(name: str, **kwargs: Any) -> Environment[Any, Any, Any]:
-    """Build a registered environment by name; kwargs go to its constructor."""
+    """Build a registered environment by name; kwargs go to its constructor.
+
+    `openenv:URL` (e.g. `openenv:http://127.0.0.1:8200`) plays a remote OpenEnv-protocol server instead;
+    kwargs go to `OpenEnvClientEnv`.
+    """
+    if name.startswith("openenv:"):
+        from inflight.envs.openenv_client import OpenEnvClientEnv  # imported here: it imports this module
+
+        return OpenEnvClientEnv(name.removeprefix("openenv:"), **kwargs)
     if name not in ENVS:
         known = ", ".join(sorted(ENVS)) or "(none registered)"
         raise UserError(f"unknown environment {name!r}; known environments: {known}")

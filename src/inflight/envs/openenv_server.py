@@ -1,0 +1,237 @@
+"""Serve any registered inflight Env with OpenEnv's protocol: HTTP /reset /step /state /health /schema
+/metadata and the /ws session channel. Owns the adapter between the two Environment classes; knows
+nothing of what the env does.
+
+Design decision: we run openenv-core's own server (`create_fastapi_app`, i.e. its HTTPEnvServer) with
+a thin adapter Environment, not a FastAPI app of our own. The protocol *is* what that server does:
+the WebSocket message and error types (INVALID_JSON, UNKNOWN_TYPE, VALIDATION_ERROR, EXECUTION_ERROR,
+CAPACITY_REACHED, ...), stateless HTTP /reset and /step (a fresh env per request), one env per /ws
+session with its own worker thread, capacity checks, MCP routes. Running the library's code makes us
+exactly compliant, and keeps us so when it changes; our own app would copy ~1,700 lines and chase
+them. Our Action/Observation models mirror OpenEnv's (same `metadata`, `done`, `reward` fields,
+`extra="forbid"`), and the server only calls pydantic's `model_validate`, `model_dump` and
+`model_json_schema` on them, so they pass through its serialisation unchanged. What is ours:
+- the adapter: reset arguments are validated with OpenEnv's own `ResetRequest` (so a bad seed over
+  /ws gets VALIDATION_ERROR, as it does over HTTP), a step with no episode in progress gets a message
+  that says why (HTTP /step is stateless: episodes live in /ws sessions);
+- concurrency: every session owns its env and the envs share nothing, so many sessions may run at
+  once (`max_sessions`; openenv-core's default is one);
+- bad reset arguments (a `UserError` from the env's `reset`) are a validation error: VALIDATION_ERROR
+  over /ws and 422 over HTTP, as a bad seed is;
+- HTTP error answers: another `UserError` is a 400, a step with no episode a 409, and an exception
+  from the env a JSON 500 naming it (the server logs its traceback), instead of a bare "Internal
+  Server Error" on a closed connection. Over /ws such an exception is EXECUTION_ERROR, as before.
+Cost: importing openenv-core's server takes ~6 s (it pulls in Gradio and fastmcp), once per server.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast, get_args, get_origin
+
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_core import PydanticCustomError
+
+import inflight
+from inflight.envs import ENVS, make_env
+from inflight.envs.base import Action, Environment, Observation, State
+from inflight.errors import UserError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+
+class OpenEnvServerConfig(BaseModel):
+    """How the server runs sessions; the env's own arguments go to `create_app` as keywords."""
+
+    max_sessions: int = Field(default=256, ge=1)  # concurrent /ws sessions, one env (and thread) each
+
+
+class EnvRaised(RuntimeError):
+    """The served env raised; the message names the original exception (logged with its traceback)."""
+
+
+class NoEpisodeError(RuntimeError):
+    """`step` before `reset`: over HTTP always, since each /step request gets a fresh environment."""
+
+
+def environment_types(env_cls: type) -> tuple[type[Action], type[Observation], type[State]]:
+    """The (Action, Observation, State) classes an Environment subclass declares as its type arguments,
+    following generic subclasses (`class E(Base[MyObs])` where `Base(Environment[TextAction, ObsT, S])`).
+    """
+    found = _declared_args(env_cls, {})
+    if found is None or not all(isinstance(t, type) for t in found):
+        raise UserError(
+            f"{env_cls.__name__} must declare its types, e.g. "
+            f"class {env_cls.__name__}(Environment[TextAction, MyObservation, MyState]); found {found}"
+        )
+    act, obs, state = found
+    return act, obs, state
+
+
+def _declared_args(cls: type, bound: dict[Any, Any]) -> tuple[Any, ...] | None:
+    # __orig_bases__ from the class's own __dict__: getattr would return an ancestor's.
+    for base in cls.__dict__.get("__orig_bases__", cls.__bases__):
+        origin = get_origin(base) or base
+        args = tuple(bound.get(a, a) for a in get_args(base))
+        if origin is Environment:
+            return args
+        if isinstance(origin, type) and issubclass(origin, Environment):
+            params = getattr(origin, "__parameters__", ())
+            if (found := _declared_args(origin, dict(zip(params, args, strict=False)))) is not None:
+                return found
+    return None
+
+
+def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwargs: Any) -> FastAPI:
+    """An OpenEnv-protocol app serving `make_env(name, **env_kwargs)`, one env per /ws session.
+
+    Builds one env up front, so an unknown name or bad arguments fail here rather than per session.
+    """
+    config = config or OpenEnvServerConfig()
+    if name.startswith("openenv:"):
+        raise UserError(
+            f"{name!r} is a remote environment; serve a registered one: {', '.join(sorted(ENVS))}"
+        )
+    probe = make_env(name, **env_kwargs)
+    try:
+        action_cls, observation_cls, _ = environment_types(type(probe))
+        description = (type(probe).__doc__ or name).strip().split("\n\n")[0]
+    finally:
+        probe.close()
+
+    # Imported after the checks above: openenv-core's server takes seconds to import.
+    from fastapi import Request
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.responses import JSONResponse
+    from openenv.core.env_server.http_server import create_fastapi_app
+    from openenv.core.env_server.types import ConcurrencyConfig
+
+    # A partial of the adapter class (not a closure) lets the server read the class's concurrency flags
+    # without building a throwaway env.
+    new_session_env = functools.partial(
+        _adapter_class(), name, description, functools.partial(make_env, name, **env_kwargs)
+    )
+    # The server's type hints name openenv's own base classes; ours have the same fields and the server
+    # only calls pydantic methods on them (see the module docstring).
+    # No idle timeout: openenv-core's reaper closes an idle session's env but not its socket.
+    sessions = ConcurrencyConfig(max_concurrent_envs=config.max_sessions, session_timeout=None)
+    app = create_fastapi_app(
+        new_session_env, cast(Any, action_cls), cast(Any, observation_cls), concurrency_config=sessions
+    )
+    app.title = f"inflight env {name} (OpenEnv protocol)"
+
+    # These only shape HTTP answers; /ws errors are already typed messages from openenv-core.
+    async def invalid(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(
+            status_code=422, content={"detail": jsonable_encoder(cast(ValidationError, exc).errors())}
+        )
+
+    async def user_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"detail": str(exc)})
+
+    async def no_episode(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=409, content={"detail": str(exc)})
+
+    async def env_error(request: Request, exc: Exception) -> JSONResponse:
+        detail = str(exc) if isinstance(exc, EnvRaised) else f"{type(exc).__name__}: {exc}"
+        return JSONResponse(status_code=500, content={"detail": detail})
+
+    app.add_exception_handler(ValidationError, invalid)
+    app.add_exception_handler(UserError, user_error)
+    app.add_exception_handler(NoEpisodeError, no_episode)
+    app.add_exception_handler(EnvRaised, env_error)
+    app.add_exception_handler(Exception, env_error)
+    return app
+
+
+def serve(
+    name: str,
+    host: str = "127.0.0.1",
+    port: int = 8200,
+    config: OpenEnvServerConfig | None = None,
+    **env_kwargs: Any,
+) -> None:
+    """Serve env `name` until interrupted (`inflight env serve NAME --port P`)."""
+    import uvicorn
+
+    app = create_app(name, config, **env_kwargs)
+    print(f"inflight: serving env {name!r} with OpenEnv's protocol at http://{host}:{port} (/ws sessions)")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def _raised(name: str, method: str, error: Exception) -> EnvRaised:
+    # A handled exception class: an unhandled one makes uvicorn close the keep-alive connection after the 500.
+    logging.getLogger(__name__).warning("env %s raised in %s", name, method, exc_info=error)
+    return EnvRaised(f"{type(error).__name__}: {error}")
+
+
+def _invalid_reset(error: UserError, kwargs: dict[str, Any]) -> ValidationError:
+    """A UserError from `reset` as pydantic's ValidationError: /ws answers it with VALIDATION_ERROR."""
+    detail = {
+        "type": PydanticCustomError("invalid_reset", "{reason}", {"reason": str(error)}),
+        "input": kwargs,
+    }
+    return ValidationError.from_exception_data("reset", [cast(Any, detail | {"loc": ()})])
+
+
+@functools.cache
+def _adapter_class() -> type:
+    """Built on first use: subclassing openenv's Environment imports openenv-core's server (~6 s)."""
+    from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
+    from openenv.core.env_server.types import EnvironmentMetadata, ResetRequest
+    from openenv.core.env_server.types import State as OpenEnvState
+
+    class ServedEnv(OpenEnvEnvironment):  # type: ignore[misc]
+        """One inflight env behind openenv-core's server; one instance per session or HTTP request."""
+
+        # Each session gets its own instance and they share nothing, so the server may run many.
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(
+            self, name: str, description: str, make: Callable[[], Environment[Any, Any, Any]]
+        ) -> None:
+            super().__init__()
+            self.name, self.description, self.env = name, description, make()
+            self.started = False
+
+        def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> Any:
+            # Raises pydantic's ValidationError, which the /ws channel answers with VALIDATION_ERROR.
+            ResetRequest.model_validate({"seed": seed, "episode_id": episode_id})
+            try:
+                obs = self.env.reset(seed=seed, episode_id=episode_id, **kwargs)
+            except UserError as e:  # bad reset arguments: the client's error, like a bad seed
+                raise _invalid_reset(e, kwargs) from e
+            except Exception as e:
+                raise _raised(self.name, "reset", e) from e
+            self.started = True
+            return obs
+
+        def step(self, action: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+            if not self.started:
+                raise NoEpisodeError(
+                    f"no {self.name} episode in progress: reset first. HTTP /step is stateless in OpenEnv's "
+                    "protocol (every request gets a fresh environment); play episodes over the /ws session"
+                )
+            try:
+                return self.env.step(action, timeout_s=timeout_s, **kwargs)
+            except UserError:
+                raise
+            except Exception as e:
+                raise _raised(self.name, "step", e) from e
+
+        @property
+        def state(self) -> Any:
+            return OpenEnvState.model_validate(self.env.state.model_dump())
+
+        def get_metadata(self) -> Any:
+            return EnvironmentMetadata(
+                name=self.name, description=self.description, version=f"inflight {inflight.__version__}"
+            )
+
+        def close(self) -> None:
+            self.env.close()
+
+    return ServedEnv
