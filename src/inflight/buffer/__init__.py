@@ -1,0 +1,20 @@
+"""Data between stages: streams (memory, file log, Redis) of encoded RolloutGroups, and the version-aware
+RolloutBuffer (staleness bound by admission, oldest first, active sampling)."""
+
+from inflight.buffer.buffer import BufferCounters, RolloutBuffer
+from inflight.buffer.codec import CodecError, decode_group, encode_group
+from inflight.buffer.metrics import importance_metrics, lag_histogram
+from inflight.buffer.streams import NO_OFFSET, Stream, open_stream
+
+__all__ = [
+    "NO_OFFSET",
+    "BufferCounters",
+    "CodecError",
+    "RolloutBuffer",
+    "Stream",
+    "decode_group",
+    "encode_group",
+    "importance_metrics",
+    "lag_histogram",
+    "open_stream",
+]

@@ -75,6 +75,7 @@ class _State:
     read_offset: int = -1  # the last stream record put into the buffer
     rollout_errors: int = 0
     groups_dropped_errors: int = 0
+    resume_regenerated: int = 0  # recovered groups sampled by weights lost in a crash: problem re-issued
     stopping: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -114,7 +115,7 @@ class _Pipeline:
         self.state = _State()
         self.start_step = self._resume()
         self.stream = open_stream(p.stream_url or f"file://{(run_dir / 'streams' / 'results').resolve()}")
-        self.drain()  # results that reached the stream before a crash, past the checkpoint's offset
+        self._recover()  # results that reached the stream before a crash, past the checkpoint's offset
         self.loop = EngineLoop(parts.engine)
         self.history: list[dict[str, float]] = []
 
@@ -132,6 +133,29 @@ class _Pipeline:
         self.state.read_offset = int(saved["read_offset"])
         self.state.reissue = sorted(int(k) for k in saved["in_flight"])
         return int(meta["step"])
+
+    def _recover(self) -> None:
+        """After a crash: take the groups the stream holds past the checkpoint's offset, and re-issue
+        every problem admitted before the crash whose group is not there.
+
+        A group sampled by weights newer than the restored trainer (made after the checkpoint, then
+        lost with the crash) is not trained on: its problem is re-issued, and counted.
+        """
+        state, version = self.state, self.parts.trainer.version
+        recovered: set[int] = set()
+        highest = state.next_problem - 1
+        while records := self.stream.read(after=state.read_offset, max_count=1024, timeout_s=0.0):
+            for offset, record in records:
+                k, group = _parse(record)
+                state.read_offset, highest = offset, max(highest, k)
+                if max((r.max_version for r in group.rollouts), default=-1) > version:
+                    state.resume_regenerated += 1
+                    continue
+                recovered.add(k)
+                self.buffer.put_recovered(group)
+        lost = set(state.reissue) | set(range(state.next_problem, highest + 1))
+        state.reissue = sorted(lost - recovered)
+        state.next_problem = highest + 1
 
     def checkpoint(self, step: int) -> None:
         """Trainer + optimizer + step + stream offset + buffered groups + problems in flight, atomically."""
@@ -228,9 +252,13 @@ class _Pipeline:
                 return self.buffer.get_batch(
                     self.parts.trainer.version, min(1.0, deadline - time.monotonic())
                 )
-            except TimeoutError:
+            except TimeoutError as e:
                 if time.monotonic() >= deadline:
-                    raise
+                    raise TimeoutError(
+                        f"no full batch within batch_timeout_s={self.cfg.pipeline.batch_timeout_s}s. "
+                        f"{e} (If nearly every group is filtered, the policy's rewards never differ within a "
+                        "group: warm it up, or set pipeline.active_sampling=false.)"
+                    ) from None
 
     def train(self, evaluate: Callable[[], dict[str, float]] | None) -> None:
         cfg, trainer, loop = self.cfg, self.parts.trainer, self.loop
@@ -246,6 +274,7 @@ class _Pipeline:
                     metrics.update(self.buffer.step_metrics(batch, trainer.version))
                     metrics["rollout_errors"] = float(self.state.rollout_errors)
                     metrics["groups_dropped_errors"] = float(self.state.groups_dropped_errors)
+                    metrics["resume_regenerated"] = float(self.state.resume_regenerated)
                 informative = [g for g in batch if g.is_informative]
                 metrics["groups_uninformative_frac"] = 1 - len(informative) / len(batch)
                 samples = to_train_samples(informative, cfg.grpo.advantage)
