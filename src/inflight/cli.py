@@ -1,4 +1,4 @@
-"""The `inflight` command: run | model tiny | bench | plot.
+"""The `inflight` command: run | serve | serve-engine | env serve | model tiny | bench | plot.
 
 Heavy imports (torch, transformers) happen inside the subcommands so `--help` is instant. Errors a
 user can fix print one line and exit with code 2.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from inflight.errors import UserError
 
-BENCHMARKS = ("engine", "grpo")
+BENCHMARKS = ("engine", "grpo", "pipeline", "serve", "sandbox")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -55,6 +55,53 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_base_models(items: list[str]) -> dict[str, str]:
+    models: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--base-model expects NAME=DIR_OR_HUB_ID, got {item!r}")
+        models[name] = path
+    return models
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from inflight.api.app import serve
+
+    serve(
+        base_models=_parse_base_models(args.base_model),
+        db_url=args.db,
+        host=args.host,
+        port=args.port,
+        api_keys=list(args.api_key),
+        state_dir=args.state_dir,
+    )
+    return 0
+
+
+def _cmd_serve_engine(args: argparse.Namespace) -> int:
+    from inflight.inference.server import serve
+
+    serve(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        kv_policy=args.kv_policy,
+        max_seq_len_tokens=args.max_seq_len_tokens,
+    )
+    return 0
+
+
+def _cmd_env_serve(args: argparse.Namespace) -> int:
+    from inflight.envs.openenv_server import OpenEnvServerConfig, serve
+
+    serve(
+        args.name, host=args.host, port=args.port, config=OpenEnvServerConfig(max_sessions=args.max_sessions)
+    )
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from inflight.metrics.plot import plot_run
 
@@ -72,11 +119,77 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train with a recipe, e.g. `inflight run blackjack grpo.steps=100 trainer.lr=3e-4`. "
         "Overrides are dotted config keys (see --list-keys). Prints one JSON summary line at the end.",
     )
-    run.add_argument("recipe", nargs="?", help="recipe name: blackjack")
+    run.add_argument(
+        "recipe", nargs="?", help="recipe name: blackjack, guess_number, arithmetic, math, code, tools"
+    )
     run.add_argument("overrides", nargs="*", help="config overrides, key=value")
     run.add_argument("--run-dir", help="where metrics, checkpoints and plots go (default runs/RECIPE-TIME)")
     run.add_argument("--list-keys", action="store_true", help="print every config key and exit")
     run.set_defaults(func=_cmd_run)
+
+    serve = sub.add_parser(
+        "serve",
+        help="the Tinker-compatible training and sampling service",
+        description="Serve Tinker's REST API (forward_backward, optim_step, sample, save_state, ...) for "
+        "LoRA adapters over local base models; the official `tinker` SDK is the client. Example: "
+        "`inflight serve --base-model tiny=/path/to/model --port 8000`.",
+    )
+    serve.add_argument(
+        "--base-model",
+        action="append",
+        required=True,
+        metavar="NAME=DIR",
+        help="a base model clients may name, and its directory or hub id (repeatable)",
+    )
+    serve.add_argument("--db", default=None, help="SQLAlchemy URL (default sqlite in --state-dir)")
+    serve.add_argument("--state-dir", default="inflight-serve", help="checkpoints and the default database")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted X-API-Key (repeatable); without one the server only listens on loopback",
+    )
+    serve.set_defaults(func=_cmd_serve)
+
+    serve_engine = sub.add_parser(
+        "serve-engine",
+        help="an inference engine behind HTTP (OpenAI-compatible + token-level generate + weight updates)",
+    )
+    serve_engine.add_argument("--model", required=True, help="model directory or hub id")
+    serve_engine.add_argument("--host", default="127.0.0.1")
+    serve_engine.add_argument("--port", type=int, default=8100)
+    serve_engine.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
+    serve_engine.add_argument(
+        "--kv-policy",
+        choices=["keep", "recompute"],
+        default="keep",
+        help="on a weight update, sequences in flight keep their cache or re-prefill it with the new weights",
+    )
+    serve_engine.add_argument(
+        "--max-seq-len-tokens",
+        type=int,
+        default=None,
+        help="prompt + completion (default: model limit, <=1024)",
+    )
+    serve_engine.set_defaults(func=_cmd_serve_engine)
+
+    env = sub.add_parser("env", help="environments")
+    env_sub = env.add_subparsers(dest="env_command", required=True)
+    env_serve = env_sub.add_parser(
+        "serve", help="serve an inflight environment with OpenEnv's HTTP + WebSocket protocol"
+    )
+    env_serve.add_argument("name", help="environment name, e.g. blackjack")
+    env_serve.add_argument("--host", default="127.0.0.1")
+    env_serve.add_argument("--port", type=int, default=8200)
+    env_serve.add_argument(
+        "--max-sessions",
+        type=int,
+        default=256,
+        help="concurrent /ws episodes (a run needs prompts x group size)",
+    )
+    env_serve.set_defaults(func=_cmd_env_serve)
 
     model = sub.add_parser("model", help="build models")
     model_sub = model.add_subparsers(dest="model_command", required=True)

@@ -1,15 +1,17 @@
 """The built-in engine: request lifecycle (waiting -> cache row -> finished), stop conditions, per-token
-versions and weight swaps between steps. The forward pass is in `qwen2.py`, sampling in `sampling.py`.
-One driver thread calls step()/generate(); add_request, abort and update_weights are thread-safe.
+versions, weight swaps between steps and the KV policy of sequences in flight across a swap. The forward
+pass is in `qwen2.py`, sampling in `sampling.py`. One driver thread calls step()/generate(); add_request,
+abort, update_weights and metrics are thread-safe.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -29,9 +31,17 @@ class BuiltinEngineConfig(BaseModel):
     max_seq_len_tokens: int = Field(default=1024, ge=2)
     dtype: Literal["float32", "bfloat16"] = "float32"  # weights, activations and KV cache
     seed: int = 0  # the generator of requests without their own seed
-    # "keep": sequences in flight keep the K/V computed by older weights across an update.
-    # "recompute" (re-prefill them with the new weights) comes later.
-    kv_policy: Literal["keep"] = "keep"
+    # What an update does to the K/V cache of sequences in flight (PipelineRL and OlmoRL always keep it):
+    # "keep": they go on reading K/V computed by older weights; no pause, but every later token of theirs is
+    #   generated on a stale prefix (counted: EngineMetrics.tokens_on_stale_kv).
+    # "recompute": before the next decode step their prefixes are re-prefilled under the new weights,
+    #   batched; the step loop pauses for that long, and their continuation is exactly what the new weights
+    #   give for that prefix.
+    kv_policy: Literal["keep", "recompute"] = "keep"
+    # Recompute runs over consecutive rows in chunks of at most this many padded tokens (but at least one
+    # row), which bounds the activation memory of a large batch of long sequences.
+    recompute_chunk_tokens: int = Field(default=16384, ge=1)
+    recent_updates_kept: int = Field(default=32, ge=0)  # UpdateRecords kept for metrics()
 
 
 @dataclass
@@ -43,6 +53,71 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     stop_text: str | None = None  # the completion text cut before the stop string that ended it
+    kv_version: int = 0  # oldest weight version among this sequence's cached K/V entries
+
+
+@dataclass(frozen=True)
+class UpdateRecord:
+    """One installed weight update, as the step loop saw it."""
+
+    version: int
+    pause_s: float  # step-loop time spent installing it, recompute included (generation stood still)
+    copy_s: float  # update_weights' copy into engine tensors (the caller's thread; not a pause)
+    sequences_recomputed: int  # sequences in flight whose cache was recomputed ("recompute" policy)
+    tokens_recomputed: int  # cache positions recomputed
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Counters since the engine started (a snapshot; all times in seconds)."""
+
+    version: int
+    kv_policy: str
+    num_running: int  # sequences in cache rows
+    num_waiting: int  # requests not yet admitted
+    tokens_generated: int
+    # Tokens sampled while their sequence's cache held K/V from an older version than the one sampling.
+    tokens_on_stale_kv: int
+    busy_s: float  # wall time inside step() that had work to do
+    updates_received: int  # update_weights calls accepted
+    updates_applied: int  # installed at a step boundary
+    updates_superseded: int  # replaced by a newer update before any step installed them
+    update_pause_s_total: float
+    update_pause_s_max: float
+    update_copy_s_total: float
+    sequences_recomputed: int
+    tokens_recomputed: int
+    recent_updates: tuple[UpdateRecord, ...]  # the latest ones, oldest first
+
+    @property
+    def stale_kv_token_frac(self) -> float:
+        return self.tokens_on_stale_kv / self.tokens_generated if self.tokens_generated else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_generated / self.busy_s if self.busy_s > 0 else 0.0
+
+    @property
+    def updates_consumed(self) -> int:
+        """Updates no longer pending: applied or superseded. Equals updates_received once a step ran."""
+        return self.updates_applied + self.updates_superseded
+
+
+@dataclass
+class _Counters:
+    """Mutable totals behind EngineMetrics; written by the driver thread (update_* under the lock)."""
+
+    tokens_generated: int = 0
+    tokens_on_stale_kv: int = 0
+    busy_s: float = 0.0
+    updates_received: int = 0
+    updates_applied: int = 0
+    updates_superseded: int = 0
+    update_pause_s_total: float = 0.0
+    update_pause_s_max: float = 0.0
+    update_copy_s_total: float = 0.0
+    sequences_recomputed: int = 0
+    tokens_recomputed: int = 0
 
 
 class BuiltinEngine:
@@ -71,7 +146,9 @@ class BuiltinEngine:
         self._waiting: deque[SampleRequest] = deque()
         self._in_flight: set[str] = set()  # request ids waiting or running
         self._aborts: set[str] = set()
-        self._pending: tuple[int, Weights] | None = None
+        self._pending: tuple[int, Weights, float] | None = None  # version, weights, copy seconds
+        self._counters = _Counters()
+        self._recent_updates: deque[UpdateRecord] = deque(maxlen=self.config.recent_updates_kept)
 
     @property
     def version(self) -> int:
@@ -94,6 +171,22 @@ class BuiltinEngine:
         with self._lock:
             return bool(self._waiting or self._running)
 
+    def has_pending_update(self) -> bool:
+        """True while an update waits for the next step() to install it."""
+        with self._lock:
+            return self._pending is not None
+
+    def metrics(self) -> EngineMetrics:
+        with self._lock:
+            return EngineMetrics(
+                version=self._version,
+                kv_policy=self.config.kv_policy,
+                num_running=len(self._running),
+                num_waiting=len(self._waiting),
+                recent_updates=tuple(self._recent_updates),
+                **asdict(self._counters),
+            )
+
     def generate(self, requests: Sequence[SampleRequest]) -> list[Completion]:
         if self.has_unfinished():
             raise RuntimeError("generate() drives the engine alone; with requests in flight use step()")
@@ -109,18 +202,28 @@ class BuiltinEngine:
     def update_weights(self, update: WeightUpdate) -> None:
         """Validate and copy now, in the caller's thread; the next step() installs them. Latest call wins."""
         self._check_names(update)
+        start = time.perf_counter()
         with torch.inference_mode():
             weights = Weights.from_state_dict(update.state_dict, self._runner.spec, self._dtype)
+        copy_s = time.perf_counter() - start
         with self._lock:
-            self._pending = (update.version, weights)
+            if self._pending is not None:
+                self._counters.updates_superseded += 1
+            self._pending = (update.version, weights, copy_s)
+            self._counters.updates_received += 1
+            self._counters.update_copy_s_total += copy_s
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         """schedule -> execute -> update; returns the requests that finished in this step."""
+        start = time.perf_counter()
         finished, num_new = self._schedule()
         if self._running:
             token_ids, logprobs = self._execute(num_new)
             finished += self._update(token_ids, logprobs)
+        if self._running or finished:
+            with self._lock:
+                self._counters.busy_s += time.perf_counter() - start
         return finished
 
     @torch.inference_mode()
@@ -132,7 +235,7 @@ class BuiltinEngine:
         return [math.nan, *logprobs.gather(1, targets).squeeze(1).tolist()]
 
     def _schedule(self) -> tuple[list[Completion], int]:
-        """Apply a pending update and aborts, then admit waiting requests into free rows (appended last)."""
+        """Apply aborts and a pending update, then admit waiting requests into free rows (appended last)."""
         with self._lock:
             pending, self._pending = self._pending, None
             aborts, self._aborts = self._aborts, set()
@@ -141,19 +244,58 @@ class BuiltinEngine:
                 self._waiting.remove(request)
             free = self.config.max_batch_size - len(self._running)
             admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        if pending is not None:
-            # Between two decode steps, in one assignment: a step never mixes two versions.
-            self._version, self._runner.weights = pending
         finished = [self._finish(_Sequence(r, None), "abort") for r in aborted]
         for request_id in aborts:
             row = next((i for i, s in enumerate(self._running) if s.request.request_id == request_id), None)
             if row is not None:
                 finished.append(self._free_row(row, "abort"))
+        if pending is not None:
+            self._install(*pending)  # after the aborts: their rows need no recompute
         for request in admitted:
             seed = request.params.seed
             generator = None if seed is None else torch.Generator().manual_seed(seed)
-            self._running.append(_Sequence(request, generator))
+            self._running.append(_Sequence(request, generator, kv_version=self._version))
         return finished, len(admitted)
+
+    def _install(self, version: int, weights: Weights, copy_s: float) -> None:
+        """Swap weights between two decode steps, in one assignment (a step never mixes two versions),
+        then apply the KV policy to the sequences in flight."""
+        start = time.perf_counter()
+        self._version, self._runner.weights = version, weights
+        recomputed = 0
+        if self.config.kv_policy == "recompute" and self._running:
+            recomputed = self._recompute_cache()
+        pause_s = time.perf_counter() - start
+        record = UpdateRecord(version, pause_s, copy_s, len(self._running) if recomputed else 0, recomputed)
+        with self._lock:
+            c = self._counters
+            c.updates_applied += 1
+            c.update_pause_s_total += pause_s
+            c.update_pause_s_max = max(c.update_pause_s_max, pause_s)
+            c.sequences_recomputed += record.sequences_recomputed
+            c.tokens_recomputed += recomputed
+            self._recent_updates.append(record)
+
+    def _recompute_cache(self) -> int:
+        """Re-prefill every running row's cached prefix with the current weights; returns positions redone.
+
+        A row caches prompt + generated tokens except the newest one (decode feeds that one next step).
+        """
+        prefixes = [(s.request.prompt_token_ids + s.token_ids)[: s.num_cached] for s in self._running]
+        row0 = 0
+        while row0 < len(prefixes):
+            # Consecutive rows while the padded chunk (rows x longest prefix) fits the token budget.
+            row1, longest = row0 + 1, len(prefixes[row0])
+            while row1 < len(prefixes):
+                longest_next = max(longest, len(prefixes[row1]))
+                if (row1 + 1 - row0) * longest_next > self.config.recompute_chunk_tokens:
+                    break
+                row1, longest = row1 + 1, longest_next
+            self._runner.fill_cache(prefixes[row0:row1], row0=row0)
+            row0 = row1
+        for seq in self._running:
+            seq.kv_version = self._version
+        return sum(len(p) for p in prefixes)
 
     def _execute(self, num_new: int) -> tuple[Tensor, Tensor]:
         """Decode one token for rows admitted earlier, prefill the newcomers, sample for all rows."""
@@ -179,14 +321,19 @@ class BuiltinEngine:
 
     def _update(self, token_ids: Tensor, logprobs: Tensor) -> list[Completion]:
         finishing: list[tuple[int, FinishReason]] = []
+        stale = 0
         rows = zip(self._running, token_ids.tolist(), logprobs.tolist(), strict=True)
         for row, (seq, token, logprob) in enumerate(rows):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(self._version)
+            stale += seq.kv_version < self._version
             reason = self._stop_reason(seq)
             if reason is not None:
                 finishing.append((row, reason))
+        with self._lock:
+            self._counters.tokens_generated += len(self._running)
+            self._counters.tokens_on_stale_kv += stale
         # Highest row first: the last active row, moved into a freed one, is then never finishing itself.
         return [self._free_row(row, reason) for row, reason in reversed(finishing)]
 

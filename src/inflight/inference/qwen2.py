@@ -157,11 +157,24 @@ class ModelRunner:
 
     def prefill(self, prompts: list[list[int]], row0: int | None) -> Tensor:
         """Logits [b, V] (float32) at each prompt's last token; writes KV rows row0.. (None: no cache)."""
+        w = self.weights  # one snapshot for the whole pass
+        h = self._prefill_hidden(w, prompts, row0)
+        last = torch.tensor([len(p) - 1 for p in prompts])
+        return self._logits(w, h[torch.arange(len(prompts)), last])
+
+    def fill_cache(self, prefixes: list[list[int]], row0: int) -> None:
+        """Recompute the K/V of rows row0.. from their token prefixes under the current weights (no logits).
+
+        Positions past a row's prefix receive padding K/V; decode masks them and overwrites them in turn.
+        """
+        self._prefill_hidden(self.weights, prefixes, row0)
+
+    def _prefill_hidden(self, w: Weights, prompts: list[list[int]], row0: int | None) -> Tensor:
+        """Hidden states [b, t, hidden] of right-padded prompts; writes KV rows row0.. unless row0 is None."""
         b, t = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(b, t, dtype=torch.long)  # right padding: causality alone hides the pad keys
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
-        last = torch.tensor([len(p) - 1 for p in prompts])
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, t, D]
@@ -171,9 +184,7 @@ class ModelRunner:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             return out.transpose(1, 2).reshape(b, t, -1)
 
-        w = self.weights  # one snapshot for the whole pass
-        h = self._layers(w, ids, self.cos[:t], self.sin[:t], attend)
-        return self._logits(w, h[torch.arange(b), last])
+        return self._layers(w, ids, self.cos[:t], self.sin[:t], attend)
 
     def full_logits(self, token_ids: list[int]) -> Tensor:
         """Logits [T, V] (float32) at every position of one sequence; the cache is untouched."""

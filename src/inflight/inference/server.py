@@ -1,0 +1,456 @@
+"""The engine behind HTTP (`inflight serve-engine`): OpenAI-compatible completions and chat, token-in/
+token-out `/generate`, `/health`, `/metrics` and in-flight weight updates.
+
+One EngineLoop thread steps the engine; handlers only validate, submit and await, so the requests of all
+clients join one running batch. Weight updates are read and copied off that thread and installed by it
+between two decode steps; `/update_weights` answers once the new version generates (not when queued).
+Routes (bodies in `wire.py` and `openai_api.py`):
+
+    GET  /health                 ok + version + load (503 once the step loop has failed)
+    GET  /metrics                engine counters: update pauses, load/copy seconds, stale-KV tokens, tokens/s
+    GET  /v1/models
+    POST /v1/completions         OpenAI shapes; choices add token_ids / versions / prompt_token_ids
+    POST /v1/chat/completions    the tokenizer's chat template (ChatML when it has none)
+    POST /generate               prompt_token_ids + sampling params -> token_ids, logprobs, versions
+    POST /update_weights         {"path": file.safetensors, "version": N}
+    POST /update_weights_raw     safetensors bytes as the body, version in the X-Weight-Version header
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors import SafetensorError
+
+from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
+from inflight.inference.engine_loop import EngineLoop, EngineLoopError
+from inflight.inference.openai_api import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    chat_choice,
+    completion_choice,
+    error_body,
+)
+from inflight.inference.wire import (
+    VERSION_HEADER,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    MetricsResponse,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
+from inflight.types import Completion, SampleRequest, WeightUpdate, new_id
+
+
+class EngineServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = "inflight"  # the id /v1/models lists; requests naming another model get 404
+    request_timeout_s: float = Field(default=600.0, gt=0)  # one HTTP generation request, queueing included
+    update_timeout_s: float = Field(default=120.0, gt=0)  # from receiving an update to its installation
+    # How often a waiting handler checks its client is still connected; a client gone has its requests
+    # aborted, so their cache rows go back to the batch.
+    disconnect_poll_s: float = Field(default=0.5, gt=0)
+    max_update_bytes: int = Field(default=16 * 2**30, ge=1)  # /update_weights_raw body limit
+    weights_dir: str | None = None  # when set, /update_weights only reads files under this directory
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _ClientGoneError(Exception):
+    """The HTTP client disconnected before its completions were ready (its requests were aborted)."""
+
+
+@dataclass
+class _ServerCounters:
+    requests_total: int = 0
+    requests_rejected: int = 0
+    requests_failed: int = 0
+    weight_load_s_total: float = 0.0
+    weight_load_s_last: float = 0.0
+
+
+class _EngineService:
+    """What the routes call: prompt preparation, submission, waiting, and weight installation."""
+
+    def __init__(self, engine: BuiltinEngine, tokenizer: Any, config: EngineServerConfig) -> None:
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.loop = EngineLoop(engine)
+        self.counters = _ServerCounters()
+        self._update_lock = threading.Lock()  # one update submission at a time: each gets its own ticket
+        # Completions stop at EOS and chat also at ChatML's end of turn, unless a request says ignore_eos.
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else []
+        end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>") if tokenizer is not None else None
+        self.chat_end_ids: list[int] = list(self.eos_ids)
+        if isinstance(end_of_turn, int) and end_of_turn not in (*self.eos_ids, tokenizer.unk_token_id):
+            self.chat_end_ids.append(end_of_turn)
+
+    # -- generation ----------------------------------------------------------------------------------
+    async def run(self, http_request: Request, requests: list[SampleRequest]) -> list[Completion]:
+        """Submit all, then wait; aborts them on timeout, client disconnect or error."""
+        futures = []
+        try:
+            for request in requests:
+                futures.append(self.loop.submit(request))
+        except BaseException:
+            for request in requests:
+                self.engine.abort(request.request_id)
+            raise
+        self.counters.requests_total += len(requests)
+        waiter = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        timeout_s = self.config.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    m = self.engine.metrics()
+                    raise TimeoutError(
+                        f"waited {timeout_s:.0f} s for {len(requests)} request(s) to finish generating "
+                        f"(engine: {m.num_running} running, {m.num_waiting} waiting)"
+                    )
+                done, _ = await asyncio.wait({waiter}, timeout=min(self.config.disconnect_poll_s, remaining))
+                if done:
+                    return list(waiter.result())
+                if await http_request.is_disconnected():
+                    raise _ClientGoneError()
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+                for request in requests:
+                    self.engine.abort(request.request_id)
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.config.model_name:
+            raise HTTPError(
+                404, f"model {model!r} is not served here; this server serves {self.config.model_name!r}"
+            )
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this server has no tokenizer: send prompts as token ids")
+            return list(self.tokenizer.encode(prompt))
+        return prompt
+
+    def render_chat(self, request: ChatCompletionRequest) -> list[int]:
+        from inflight.models.tiny import CHAT_TEMPLATE
+
+        if self.tokenizer is None:
+            raise ValueError("this server has no tokenizer: chat needs one")
+        messages = [m.for_template() for m in request.messages]
+        # A tokenizer without a chat template gets ChatML, the layout `rollouts/chat.py` uses.
+        template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                chat_template=template,
+            )
+        except Exception as exc:  # jinja's own errors, e.g. a template that insists on role order
+            raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # -- weights -------------------------------------------------------------------------------------
+    async def install(self, update: WeightUpdate, load_s: float) -> UpdateWeightsResponse:
+        """Copy off the step thread, then wait until a step has installed it (or a newer update)."""
+        if update.version < self.engine.version:
+            raise HTTPError(
+                409, f"weight version {update.version} is older than the engine's {self.engine.version}"
+            )
+        self.counters.weight_load_s_total += load_s
+        self.counters.weight_load_s_last = load_s
+
+        def submit() -> tuple[int, float]:
+            with self._update_lock:
+                start = time.perf_counter()
+                self.loop.update_weights(update)  # ValueError: wrong names or shapes
+                return self.engine.metrics().updates_received, time.perf_counter() - start
+
+        ticket, copy_s = await asyncio.to_thread(submit)
+        deadline = time.monotonic() + self.config.update_timeout_s
+        # Polled, not signalled: the engine installs at its next step (one decode step away) and the
+        # check is a counter read.
+        while self.engine.metrics().updates_consumed < ticket:
+            if self.loop.error is not None:
+                raise EngineLoopError(
+                    f"the engine failed before installing weight version {update.version}: {self.loop.error}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"waited {self.config.update_timeout_s:.0f} s for the engine to install weight version "
+                    f"{update.version} at a step boundary"
+                )
+            await asyncio.sleep(0.002)
+        m = self.engine.metrics()
+        record = next((r for r in reversed(m.recent_updates) if r.version == update.version), None)
+        return UpdateWeightsResponse(
+            version=m.version,
+            requested_version=update.version,
+            superseded=m.version != update.version,
+            load_s=load_s,
+            copy_s=copy_s,
+            pause_s=record.pause_s if record is not None and m.version == update.version else None,
+        )
+
+    def resolve_weights_path(self, path_text: str) -> Path:
+        path = Path(path_text).expanduser().resolve()
+        root = self.config.weights_dir
+        if root is not None and not path.is_relative_to(Path(root).expanduser().resolve()):
+            raise HTTPError(403, f"{path_text!r} is outside this server's weights_dir {root!r}")
+        if not path.is_file():
+            raise ValueError(f"weights file {path_text!r} does not exist or is not a file")
+        return path
+
+    def metrics(self) -> MetricsResponse:
+        m = self.engine.metrics()
+        return MetricsResponse(
+            **asdict(m),
+            model=self.config.model_name,
+            stale_kv_token_frac=m.stale_kv_token_frac,
+            tokens_per_s=m.tokens_per_s,
+            **asdict(self.counters),
+        )
+
+
+def _load_safetensors_bytes(body: bytes) -> dict[str, Any]:
+    from safetensors.torch import load
+
+    return load(body)
+
+
+def _load_safetensors_file(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def create_app(
+    engine: BuiltinEngine, tokenizer: Any = None, config: EngineServerConfig | None = None
+) -> FastAPI:
+    """An app serving `engine`; its step loop starts and stops with the app (lifespan).
+
+    `tokenizer` is used by the handlers (prompts, chat templates, token texts): give the engine its own
+    instance, since a fast tokenizer object is not meant to be shared by two threads.
+    """
+    service = _EngineService(engine, tokenizer, config or EngineServerConfig())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(service.loop.stop)
+
+    app = FastAPI(title="inflight engine", lifespan=lifespan)
+    app.state.service = service
+    _add_error_handlers(app, service)
+    _add_openai_routes(app, service)
+    _add_engine_routes(app, service)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, service: _EngineService) -> None:
+    def reply(status: int, message: str, kind: str) -> JSONResponse:
+        if status >= 500:
+            service.counters.requests_failed += 1
+        else:
+            service.counters.requests_rejected += 1
+        return JSONResponse(error_body(message, kind), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for e in exc.errors():
+            if e.get("type") == "json_invalid":
+                problems.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
+            else:
+                where = ".".join(str(x) for x in e["loc"] if x != "body") or "body"
+                problems.append(f"{where}: {e['msg']}")
+        return reply(400, "invalid request: " + "; ".join(problems), "invalid_request_error")
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
+        return reply(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(HTTPError)
+    async def http_error(request: Request, exc: HTTPError) -> JSONResponse:
+        return reply(exc.status, str(exc), "invalid_request_error" if exc.status < 500 else "server_error")
+
+    @app.exception_handler(EngineLoopError)
+    async def engine_down(request: Request, exc: EngineLoopError) -> JSONResponse:
+        return reply(503, str(exc), "server_error")
+
+    @app.exception_handler(TimeoutError)
+    async def timed_out(request: Request, exc: TimeoutError) -> JSONResponse:
+        return reply(504, str(exc), "timeout")
+
+    @app.exception_handler(_ClientGoneError)
+    async def client_gone(request: Request, exc: _ClientGoneError) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        return reply(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+def _add_openai_routes(app: FastAPI, service: _EngineService) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": service.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "inflight",
+            "max_model_len": service.engine.config.max_seq_len_tokens,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
+        service.check_model(body.model)
+        prompts = [service.encode_prompt(p) for p in body.prompts()]
+        requests = [
+            SampleRequest(ids, body.sampling_params(body.max_tokens, service.eos_ids, i))
+            for ids in prompts
+            for i in range(body.n)
+        ]
+        done = await service.run(request, requests)
+        return CompletionResponse(
+            model=service.config.model_name,
+            choices=[completion_choice(j, c, body.logprobs, service.tokenizer) for j, c in enumerate(done)],
+            usage=Usage.of(done),
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
+        service.check_model(body.model)
+        prompt = service.render_chat(body)
+        room = service.engine.config.max_seq_len_tokens - len(prompt)
+        max_tokens = body.max_new_tokens or max(room, 1)
+        requests = [
+            SampleRequest(prompt, body.sampling_params(max_tokens, service.chat_end_ids, i))
+            for i in range(body.n)
+        ]
+        done = await service.run(request, requests)
+        return ChatCompletionResponse(
+            model=service.config.model_name,
+            choices=[chat_choice(j, c, body, service.tokenizer) for j, c in enumerate(done)],
+            usage=Usage.of(done),
+            prompt_token_ids=prompt,
+        )
+
+
+def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
+    @app.get("/health", response_model=HealthResponse)
+    async def health() -> JSONResponse:
+        m, error = service.engine.metrics(), service.loop.error
+        if error is None and not service.loop.running:
+            error = "the engine step loop is not running"
+        body = HealthResponse(
+            status="ok" if error is None else "error",
+            model=service.config.model_name,
+            version=m.version,
+            num_running=m.num_running,
+            num_waiting=m.num_waiting,
+            error=error,
+        )
+        return JSONResponse(body.model_dump(), status_code=200 if error is None else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> MetricsResponse:
+        return service.metrics()
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+        sample = SampleRequest(body.prompt_token_ids, body.sampling_params(), body.request_id or new_id())
+        [completion] = await service.run(request, [sample])
+        return GenerateResponse.from_completion(completion)
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        path = service.resolve_weights_path(body.path)
+        start = time.perf_counter()
+        try:
+            state_dict = await asyncio.to_thread(_load_safetensors_file, path)
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"cannot read {body.path!r} as a safetensors file: {exc}") from exc
+        load_s = time.perf_counter() - start
+        return await service.install(WeightUpdate(body.version, state_dict), load_s)
+
+    @app.post("/update_weights_raw")
+    async def update_weights_raw(request: Request) -> UpdateWeightsResponse:
+        header = request.headers.get(VERSION_HEADER)
+        if header is None or not header.strip().isdigit():
+            raise ValueError(f"header {VERSION_HEADER} must carry the weight version (an integer >= 0)")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > service.config.max_update_bytes:
+            raise HTTPError(
+                413, f"body of {size} bytes exceeds max_update_bytes={service.config.max_update_bytes}"
+            )
+        start = time.perf_counter()
+        body = await request.body()
+        if not body:
+            raise ValueError("the body must be a safetensors file; it is empty")
+        try:
+            state_dict = await asyncio.to_thread(_load_safetensors_bytes, body)
+        except SafetensorError as exc:
+            raise ValueError(f"the body is not a safetensors file: {exc}") from exc
+        load_s = time.perf_counter() - start
+        return await service.install(WeightUpdate(int(header), state_dict), load_s)
+
+
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    max_batch_size: int = 64,
+    *,
+    kv_policy: str = "keep",
+    max_seq_len_tokens: int | None = None,
+    dtype: str = "float32",
+    log_level: str = "info",
+) -> None:
+    """Load `model` (a directory or hub id) into a BuiltinEngine and serve it until interrupted."""
+    import uvicorn
+
+    from inflight.models import load_model, load_tokenizer
+
+    hf_model = load_model(model)
+    if max_seq_len_tokens is None:  # the cache is preallocated: a modest default, capped by the model
+        max_seq_len_tokens = min(1024, int(getattr(hf_model.config, "max_position_embeddings", 1024)))
+    config = BuiltinEngineConfig.model_validate(
+        dict(
+            max_batch_size=max_batch_size,
+            max_seq_len_tokens=max_seq_len_tokens,
+            dtype=dtype,
+            kv_policy=kv_policy,
+        )
+    )
+    engine = BuiltinEngine(hf_model, load_tokenizer(model), config)
+    del hf_model  # the engine holds its own copy of the weights
+    app = create_app(engine, load_tokenizer(model), EngineServerConfig(model_name=model))
+    # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
