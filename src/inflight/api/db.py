@@ -122,7 +122,9 @@ class FutureRow(Base):
 
     request_id: Mapped[int] = mapped_column(_RequestIdType, primary_key=True, autoincrement=True)
     model_id: Mapped[str] = mapped_column(String(128))
-    seq_id: Mapped[int | None]  # None only for unordered requests without a counter (legacy samples)
+    # None only for unordered requests without a counter (legacy samples). 64-bit: sampling clones
+    # number their seq_ids from 1e9 * k.
+    seq_id: Mapped[int | None] = mapped_column(BigInteger)
     request_type: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16))  # pending | running | done | failed
     request_payload: Mapped[bytes]
@@ -160,6 +162,9 @@ class SamplingSessionRow(Base):
     sampling_session_seq_id: Mapped[int]
     base_model: Mapped[str] = mapped_column(String(256))
     model_path: Mapped[str | None] = mapped_column(String(512))  # None: the bare base model
+    # Set for sessions made by an ephemeral save_weights_for_sampler: the engine key of an in-memory
+    # snapshot of the adapter (lost on restart, unlike a model_path checkpoint).
+    snapshot_key: Mapped[str | None] = mapped_column(String(256))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

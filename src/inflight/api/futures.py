@@ -196,6 +196,55 @@ class FutureStore:
             error, category, FutureRow.status == "pending", FutureRow.model_id == model_id
         )
 
+    def max_seq_id(self, model_id: str) -> int | None:
+        """The highest seq_id submitted for this model (or sampling session), None before any."""
+        with self.db.read() as session:
+            return session.scalar(select(func.max(FutureRow.seq_id)).where(FutureRow.model_id == model_id))
+
+    def unfinished_count(self, model_id: str) -> int:
+        with self.db.read() as session:
+            return (
+                session.scalar(
+                    select(func.count()).where(
+                        FutureRow.model_id == model_id, FutureRow.status.in_(("pending", "running"))
+                    )
+                )
+                or 0
+            )
+
+    def fail_stalled(self, older_than: datetime) -> list[Future]:
+        """Fail pending ordered futures, submitted before `older_than`, that wait on a seq_id which never
+        arrived (category user). Without this a client that skipped a seq_id would poll forever."""
+        with self.db.read() as session:
+            candidates = session.scalars(
+                select(FutureRow.model_id)
+                .where(
+                    FutureRow.status == "pending",
+                    FutureRow.request_type.in_(_ORDERED_TYPES),
+                    FutureRow.created_at < older_than,
+                )
+                .distinct()
+            ).all()
+            stalled = {
+                model_id: missing
+                for model_id in candidates
+                if (missing := _missing_seq_id(session, model_id)) is not None
+            }
+        failed: list[Future] = []
+        for model_id, missing in stalled.items():
+            error = (
+                f"seq_id {missing} of {model_id!r} never arrived, and requests run in seq_id order: every "
+                "later request was failed. Seq ids must be consecutive (create a new training client)."
+            )
+            failed += self._fail_where(
+                error,
+                "user",
+                FutureRow.status == "pending",
+                FutureRow.model_id == model_id,
+                FutureRow.created_at < older_than,
+            )
+        return failed
+
     def recover(self) -> list[Future]:
         """On start, before the engine loop: fail futures a dead server left running (category server).
 
@@ -325,6 +374,23 @@ def _ready_head(session: Session, model_id: str) -> FutureRow | None:
         return None
     below = session.scalar(select(func.count()).where(*ordered, FutureRow.seq_id < head.seq_id))
     return head if below == head.seq_id - FIRST_SEQ_ID else None
+
+
+def _missing_seq_id(session: Session, model_id: str) -> int | None:
+    """The lowest seq_id below the model's first pending one that was never submitted, if any (and only
+    while nothing of the model runs: a running request is progress, not a gap)."""
+    ordered = [FutureRow.model_id == model_id, FutureRow.request_type.in_(_ORDERED_TYPES)]
+    running = session.scalar(select(func.count()).where(*ordered, FutureRow.status == "running"))
+    head = session.scalars(
+        select(FutureRow.seq_id)
+        .where(*ordered, FutureRow.status == "pending")
+        .order_by(FutureRow.seq_id)
+        .limit(1)
+    ).first()
+    if running or head is None:
+        return None
+    present = set(session.scalars(select(FutureRow.seq_id).where(*ordered, FutureRow.seq_id < head)).all())
+    return next((seq for seq in range(FIRST_SEQ_ID, head) if seq not in present), None)
 
 
 def _mark_running(session: Session, row: FutureRow) -> bool:

@@ -6,6 +6,7 @@ Owns the wire layer only: routes convert to `futures.Future` and the DB rows, ne
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -16,6 +17,11 @@ from inflight.api.ids import check_model_id, check_session_id
 SessionId = Annotated[str, AfterValidator(check_session_id)]
 ModelId = Annotated[str, AfterValidator(check_model_id)]
 WireErrorCategory = Literal["user", "server", "unknown"]
+# Bounds that keep numbers inside their database columns and the engine's RNG.
+MAX_SEQ_ID = 2**31 - 1  # the SDK's protobuf seq_id is an int32
+MAX_MODEL_SEQ_ID = 999_999_999  # model ids allow 9 digits (ids.py)
+MAX_TTL_S = 10 * 365 * 24 * 3600  # the SDK documents TTLs up to 10 years
+SEED_LIMIT = 2**62
 
 
 class WireRequest(BaseModel):
@@ -97,7 +103,7 @@ class FinishSessionRequest(WireRequest):
 
 class LoraConfig(WireRequest):
     rank: int = Field(default=32, ge=1, le=1024)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-SEED_LIMIT, le=SEED_LIMIT)
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -109,7 +115,7 @@ class OptimizerConfig(WireRequest):
 
 class CreateModelRequest(WireRequest):
     session_id: SessionId
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, le=MAX_MODEL_SEQ_ID)
     base_model: str = Field(min_length=1)
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -190,3 +196,204 @@ def unfinished_or_failed(future: Future) -> TryAgainResponse | RequestFailedResp
             error=future.error or "request failed", category=future.error_category or "unknown"
         )
     return None
+
+
+# --- Training, sampling and checkpoint routes (spec §4, §8, §9) -----------------------------------------
+
+
+class AdamParams(WireRequest):
+    learning_rate: float = Field(default=1e-4, ge=0, allow_inf_nan=False)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-12, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class OptimStepRequest(WireRequest):
+    """The SDK names the parameters adam_params (AdamW) or optimizer_params (other families)."""
+
+    model_id: ModelId
+    seq_id: int = Field(ge=1, le=MAX_SEQ_ID)
+    adam_params: AdamParams | None = None
+    optim_params: AdamParams | None = None
+    optimizer_params: dict[str, Any] | None = None
+    type: Literal["optim_step"] = "optim_step"
+
+
+class OptimStepResponse(WireResponse):
+    metrics: dict[str, float] | None = None
+
+
+class SaveWeightsRequest(WireRequest):
+    model_id: ModelId
+    path: str | None = None  # the checkpoint's name
+    seq_id: int = Field(ge=1, le=MAX_SEQ_ID)
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_S)
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+    type: Literal["save_weights"] = "save_weights"
+
+
+class SaveWeightsResponse(WireResponse):
+    path: str
+    type: Literal["save_weights"] = "save_weights"
+
+
+class SaveWeightsForSamplerRequest(WireRequest):
+    """Named (`path` set): a sampler checkpoint on disk. Ephemeral (`sampling_session_seq_id` set): a
+    sampling session bound to the adapter's weights at this point of the model's seq_id order."""
+
+    model_id: ModelId
+    path: str | None = None
+    sampling_session_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ_ID)
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+    seq_id: int = Field(ge=1, le=MAX_SEQ_ID)
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_S)
+    user_metadata: dict[str, str] | None = None
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+
+
+class SaveWeightsForSamplerResponse(WireResponse):
+    path: str | None = None
+    sampling_session_id: str | None = None
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+
+
+class LoadWeightsRequest(WireRequest):
+    """Create-via-load (`session_id` + `model_seq_id`) or legacy load_state (`model_id` + `seq_id`)."""
+
+    model_id: ModelId | None = None
+    seq_id: int | None = Field(default=None, ge=1, le=MAX_SEQ_ID)
+    session_id: SessionId | None = None
+    model_seq_id: int | None = Field(default=None, ge=0, le=MAX_MODEL_SEQ_ID)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    path: str = Field(min_length=1)
+    optimizer: bool = False
+    optimizer_config: OptimizerConfig | None = None
+    type: Literal["load_weights"] = "load_weights"
+
+
+class LoadWeightsResponse(WireResponse):
+    path: str | None = None
+    model_id: str | None = None
+    type: Literal["load_weights"] = "load_weights"
+
+
+class CreateSamplingSessionRequest(WireRequest):
+    session_id: SessionId
+    sampling_session_seq_id: int = Field(ge=0, le=MAX_SEQ_ID)
+    base_model: str | None = None
+    model_path: str | None = None
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+
+
+class CreateSamplingSessionResponse(WireResponse):
+    sampling_session_id: str
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+
+
+class GetSamplerResponse(WireResponse):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class EncodedTextChunk(WireRequest):
+    type: Literal["encoded_text"] = "encoded_text"
+    tokens: list[int]
+
+
+class ModelInput(WireRequest):
+    # Only token chunks: images and audio need models this server does not load (a clear 422 names it).
+    chunks: list[EncodedTextChunk]
+
+    def tokens(self) -> list[int]:
+        return [token for chunk in self.chunks for token in chunk.tokens]
+
+
+class SamplingParams(WireRequest):
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=-SEED_LIMIT, le=SEED_LIMIT)
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    top_k: int = Field(default=-1, ge=-1)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+
+
+class SampleRequest(WireRequest):
+    num_samples: int = Field(default=1, ge=1)
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    sampling_session_id: str | None = None
+    # Sampling clones number from 1e9 * k (k < 1e9), so these reach 1e18: 64-bit.
+    seq_id: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = Field(default=0, ge=0)
+    topk_sample_logprobs: int = Field(default=0, ge=0)
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = Field(default=0, ge=0)
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
+    type: Literal["sample"] = "sample"
+
+
+class TelemetryResponse(WireResponse):
+    status: Literal["accepted"] = "accepted"
+
+
+class CheckpointInfo(WireResponse):
+    checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
+    checkpoint_type: Literal["training", "sampler"]
+    time: datetime
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    user_metadata: dict[str, str] | None = None
+    expires_at: datetime | None = None
+
+
+class Cursor(WireResponse):
+    offset: int
+    limit: int
+    total_count: int
+
+
+class CheckpointsListResponse(WireResponse):
+    checkpoints: list[CheckpointInfo]
+    cursor: Cursor | None = None
+
+
+class TrainingRun(WireResponse):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool = True
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_request_time: datetime
+    last_checkpoint: CheckpointInfo | None = None
+    last_sampler_checkpoint: CheckpointInfo | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class TrainingRunsResponse(WireResponse):
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+class WeightsInfoRequest(WireRequest):
+    tinker_path: str = Field(min_length=1)
+
+
+class WeightsInfoResponse(WireResponse):
+    base_model: str
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    is_lora: bool = True
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None

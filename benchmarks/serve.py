@@ -1,0 +1,232 @@
+"""The service's engine: batched multi-adapter forward_backward vs the same requests one by one, and the
+per-request overhead of the HTTP API (the unmodified `tinker` SDK against an in-process server) over a
+direct in-process engine call.
+
+Batched vs serial: N adapters (LoRA rank R) each send one forward_backward job of K datums of T tokens.
+"batched" runs all N jobs in one `ServiceEngine.forward_backward` call (one pass, each row with its own
+adapter); "serial" makes one call per job. Same engine, same jobs, same total work; best of --repeats
+after a warm-up, alternating. `ratio_batched_vs_serial` = serial seconds / batched seconds. The same
+comparison for sampling (one job of --samples sequences per adapter) is reported as
+`sample_ratio_batched_vs_serial`. Prints one JSON line last.
+Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64]` (default model: the tiny preset,
+built locally).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _best_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best wall time per run after one warm-up each; repeats alternate so load hits all runs alike."""
+    for fn in runs.values():
+        fn()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _check(results: list) -> None:
+    failed = [r for r in results if isinstance(r, Exception)]
+    if failed:
+        raise RuntimeError(f"benchmark request failed: {failed[0]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="inflight bench serve", description=__doc__)
+    parser.add_argument("--adapters", type=int, default=8, help="adapters, one job each")
+    parser.add_argument("--datums", type=int, default=2, help="datums per forward_backward job")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per datum")
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank of every adapter")
+    parser.add_argument("--samples", type=int, default=4, help="sequences per sampling job")
+    parser.add_argument("--sample-tokens", type=int, default=16, help="tokens generated per sequence")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="engine micro-batch (padded tokens); default: the engine's",
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--api-requests", type=int, default=10, help="timed requests through the API (0 = skip)"
+    )
+    parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    from inflight.api.engine import (
+        Datum,
+        ForwardBackwardJob,
+        LoraSpec,
+        SampleJob,
+        ServiceEngine,
+        ServiceEngineConfig,
+    )
+
+    if args.model is None:
+        from inflight.models import build_tiny
+
+        args.model = str(build_tiny(tempfile.mkdtemp(prefix="inflight-bench-serve-"), preset="tiny"))
+    config = ServiceEngineConfig(seed=0, max_batch_tokens=args.max_batch_tokens)
+    engine = ServiceEngine({"bench": args.model}, max_rank=max(64, args.rank), config=config)
+    vocab = engine.model_info("bench")["vocab_size"]
+    generator = torch.Generator().manual_seed(1)
+    jobs, sample_jobs = [], []
+    for i in range(args.adapters):
+        model_id = f"adapter-{i}"
+        engine.create_adapter(model_id, "bench", LoraSpec(rank=args.rank, seed=i))
+        data = []
+        for _ in range(args.datums):
+            tokens = torch.randint(0, vocab, (args.tokens + 1,), generator=generator).tolist()
+            data.append(Datum(input_tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:]}))
+        jobs.append(ForwardBackwardJob(model_id, data, "cross_entropy"))
+        prompt = torch.randint(0, vocab, (16,), generator=generator).tolist()
+        sample_jobs.append(
+            SampleJob(
+                model_id,
+                "bench",
+                prompt,
+                num_samples=args.samples,
+                max_tokens=args.sample_tokens,
+                seed=i,
+                stop=[],
+            )
+        )
+
+    def batched() -> None:
+        _check(engine.forward_backward(jobs))
+
+    def serial() -> None:
+        for job in jobs:
+            _check(engine.forward_backward([job]))
+
+    def sample_batched() -> None:
+        _check(engine.sample(sample_jobs))
+
+    def sample_serial() -> None:
+        for job in sample_jobs:
+            _check(engine.sample([job]))
+
+    train = _best_seconds({"batched": batched, "serial": serial}, args.repeats)
+    sampling = _best_seconds({"batched": sample_batched, "serial": sample_serial}, args.repeats)
+    num_datums = args.adapters * args.datums
+    result: dict[str, Any] = {
+        "ratio_batched_vs_serial": round(train["serial"] / train["batched"], 2),
+        "batched_ms_per_request": round(1000 * train["batched"] / args.adapters, 2),
+        "serial_ms_per_request": round(1000 * train["serial"] / args.adapters, 2),
+        "batched_tokens_per_s": round(num_datums * args.tokens / train["batched"], 1),
+        "serial_tokens_per_s": round(num_datums * args.tokens / train["serial"], 1),
+        "sample_ratio_batched_vs_serial": round(sampling["serial"] / sampling["batched"], 2),
+        "sample_batched_tokens_per_s": round(
+            args.adapters * args.samples * args.sample_tokens / sampling["batched"], 1
+        ),
+        "adapters": args.adapters,
+        "datums_per_request": args.datums,
+        "tokens_per_datum": args.tokens,
+        "rank": args.rank,
+        "max_batch_tokens": engine.max_batch_tokens,
+        "samples_per_request": args.samples,
+        "threads": torch.get_num_threads(),
+        "timing": f"best of {args.repeats} after a warm-up, batched and serial alternating",
+    }
+    if args.api_requests > 0:
+        result.update(measure_api_overhead(engine, args.model, args.api_requests))
+    print(json.dumps(result))
+    return result
+
+
+# ---- API overhead -----------------------------------------------------------------------------------------
+# The per-request cost of going through the service (SDK -> HTTP -> routes -> futures table -> worker ->
+# engine -> result -> long-poll) beyond the engine call itself: the same small forward request timed through
+# the unmodified `tinker` SDK against an in-process uvicorn on loopback, and as a direct engine call.
+
+
+def measure_api_overhead(engine: Any, model_dir: str, requests: int) -> dict[str, Any]:
+    """{"api_ms_per_request", "direct_ms_per_request", "api_overhead_ms"}, or {"api_error": why}."""
+    from inflight.api.engine import Datum, ForwardBackwardJob, LoraSpec
+
+    tokens = list(range(10, 42))
+    engine.create_adapter("api-direct", "bench", LoraSpec(rank=8, seed=0))
+    job = ForwardBackwardJob(
+        "api-direct", [Datum(tokens[:-1], {"target_tokens": tokens[1:]})], "cross_entropy", backward=False
+    )
+    direct = _median_ms(lambda: _check(engine.forward_backward([job])), requests)
+    try:
+        api = _api_ms(model_dir, tokens, requests)
+    except Exception as exc:  # the service is optional here: report why instead of failing the benchmark
+        return {"direct_ms_per_request": round(direct, 2), "api_error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {
+        "api_ms_per_request": round(api, 2),
+        "direct_ms_per_request": round(direct, 2),
+        "api_overhead_ms": round(api - direct, 2),
+    }
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def _api_ms(model_dir: str, tokens: list[int], requests: int) -> float:
+    """Median ms of `TrainingClient.forward(...).result()` through the SDK and an in-process server."""
+    import tinker
+    import uvicorn
+    from tinker import types
+
+    from inflight.api.app import create_app
+    from inflight.api.service import ServiceConfig
+
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    state_dir = Path(tempfile.mkdtemp(prefix="inflight-bench-serve-api-"))
+    app = create_app(ServiceConfig(base_models={"bench": model_dir}, state_dir=state_dir))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise TimeoutError("the in-process service did not start within 120 s")
+        time.sleep(0.05)
+    try:
+        client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-bench")
+        training = client.create_lora_training_client(base_model="bench", rank=8, seed=0).result(timeout=120)
+        # The SDK turns plain lists into TensorData (as the cookbook's datums rely on).
+        targets: Any = tokens[1:]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": targets}
+        )
+        return _median_ms(lambda: training.forward([datum], "cross_entropy").result(timeout=60), requests)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The Tinker-compatible service: `create_app` (FastAPI, testable in-process) and `serve` (`inflight serve`).
+
+Wires the pieces, nothing more: routes (routes_*.py) validate and write futures; the worker (worker.py) owns
+the ServiceEngine and runs them; the database (db.py) and checkpoint store hold what survives a restart.
+
+    SDK ──HTTP──▶ routes ──▶ futures table ◀── EngineWorker ──▶ ServiceEngine (LoRA adapters on base models)
+                    ▲             │                  │
+                    └─ long-poll ─┴── CompletionBoard ◀┘
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from inflight.api import routes_checkpoints, routes_futures, routes_sampling, routes_session, routes_training
+from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, is_loopback
+from inflight.api.checkpoints import CheckpointNotFoundError, CheckpointStore
+from inflight.api.db import Database
+from inflight.api.futures import FutureStore, UnknownFutureError
+from inflight.api.jobs import BaseModelLimits
+from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, ServiceConfig, ServiceState
+from inflight.api.worker import EngineWorker, WorkerConfig
+from inflight.errors import UserError
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from inflight.api.engine import ServiceEngine
+
+log = logging.getLogger(__name__)
+
+_NOT_FOUND = (NotFoundError, UnknownFutureError, CheckpointNotFoundError)
+
+
+def create_app(
+    config: ServiceConfig, *, engine: ServiceEngine | None = None, worker_config: WorkerConfig | None = None
+) -> FastAPI:
+    """The app; its lifespan opens the database, loads the base models (unless `engine` is given) and runs
+    the worker thread until shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state, worker = _start(config, engine, worker_config)
+        app.state.service = state
+        try:
+            yield
+        finally:
+            worker.stop()
+            state.db.close()
+
+    app = FastAPI(title="inflight: Tinker-compatible service", lifespan=lifespan)
+    for module in (routes_session, routes_training, routes_sampling, routes_futures, routes_checkpoints):
+        app.include_router(module.router)
+    # The middleware added last runs first: refuse an unauthenticated request before reading its body.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(UserError, _user_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    return app
+
+
+def _start(
+    config: ServiceConfig, engine: ServiceEngine | None, worker_config: WorkerConfig | None
+) -> tuple[ServiceState, EngineWorker]:
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    if engine is None:
+        from inflight.api.engine import ServiceEngine  # torch + transformers: only when serving
+
+        engine = ServiceEngine(config.base_models, max_rank=config.max_lora_rank)
+    base_models = {name: _base_model_info(engine, name) for name in engine.base_model_names()}
+    db = Database(config.database_url)
+    checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
+    board = CompletionBoard()
+    worker_config = worker_config or WorkerConfig(
+        default_max_tokens=config.default_max_tokens, max_num_samples=config.max_num_samples
+    )
+    worker = EngineWorker(
+        engine,
+        db,
+        checkpoints,
+        limits={name: info.limits for name, info in base_models.items()},
+        on_finished=board.notify,
+        config=worker_config,
+    )
+    state = ServiceState(
+        config=config,
+        db=db,
+        store=FutureStore(db),
+        checkpoints=checkpoints,
+        base_models=base_models,
+        board=board,
+        wake_worker=worker.wake,
+        counters=worker.stats,
+    )
+    worker.start()
+    return state, worker
+
+
+def _base_model_info(engine: ServiceEngine, name: str) -> BaseModelInfo:
+    info: dict[str, Any] = engine.model_info(name)
+    return BaseModelInfo(
+        name=name,
+        tokenizer_dir=str(engine.tokenizer_dir(name)),
+        arch=info.get("arch"),
+        limits=BaseModelLimits(vocab_size=int(info["vocab_size"]), max_context=int(info["max_context"])),
+    )
+
+
+async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    # FastAPI's own handler echoes the input back, and crashes on a body that is not UTF-8.
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    detail = [{"loc": [str(part) for part in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in errors]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+async def _user_error(request: Request, exc: Exception) -> JSONResponse:
+    status = 404 if isinstance(exc, _NOT_FOUND) else 400
+    return JSONResponse({"detail": str(exc)}, status_code=status)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+
+
+def serve(
+    base_models: dict[str, str],
+    db_url: str | None,
+    host: str,
+    port: int,
+    api_keys: list[str],
+    state_dir: str,
+) -> None:
+    """`inflight serve`: refuses to listen beyond loopback without API keys."""
+    if not api_keys and not is_loopback(host):
+        raise UserError(
+            f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "
+            "sample. Pass --api-key KEY (clients send it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
+        )
+    import uvicorn
+
+    config = ServiceConfig(
+        base_models=base_models, db_url=db_url, state_dir=Path(state_dir), api_keys=api_keys
+    )
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+
+
+class BackgroundServer:
+    """uvicorn in a thread on a loopback socket it already holds (no port race): for tests and benchmarks.
+
+    `with BackgroundServer(app) as server: ... server.url ...`; the app's lifespan (engine, worker) runs
+    inside, and exiting stops it.
+    """
+
+    def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", startup_timeout_s: float = 300.0) -> None:
+        import uvicorn
+
+        self.app = app
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, 0))
+        self.port: int = self._socket.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._server: uvicorn.Server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="inflight-uvicorn", daemon=True
+        )
+        self._startup_timeout_s = startup_timeout_s
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + self._startup_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server on {self.url} exited during startup (see its log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the server on {self.url} did not start within {self._startup_timeout_s:.0f} s"
+                )
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(60)
+        self._socket.close()

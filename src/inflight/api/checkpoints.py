@@ -1,0 +1,163 @@
+"""Checkpoint storage: where `tinker://` paths live on disk, their rows, listing, deleting and expiry.
+
+Owns the directory layout under the state dir and the CheckpointRow lifecycle; the engine writes the
+files (into a staging dir this module hands out) and knows nothing about names or paths.
+
+Layout: `{root}/{model_id}/{weights|sampler_weights}/{name}/` (the engine's PEFT-style files), with
+`{root}/.staging/` for saves in progress: a save is renamed into place only once complete, so a crash
+never leaves a half-written checkpoint under a real name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from sqlalchemy import select
+
+from inflight.api.db import CheckpointRow, Database, ModelRow, utcnow
+from inflight.api.ids import CheckpointPath, parse_checkpoint_path
+from inflight.errors import UserError
+
+_FOLDERS = {"state": "weights", "sampler": "sampler_weights"}
+
+
+class CheckpointNotFoundError(UserError, LookupError):
+    """No (unexpired) checkpoint has this path (routes answer 404)."""
+
+
+class CheckpointExistsError(UserError, ValueError):
+    """A save would replace an existing checkpoint without `overwrite`."""
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    path: CheckpointPath
+    storage_dir: Path
+    size_bytes: int | None
+    created_at: datetime
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    """What a checkpoint was trained from, so a load can rebuild the model that wrote it."""
+
+    checkpoint: StoredCheckpoint
+    base_model: str
+    lora_config: dict[str, object]
+
+
+def _stored(row: CheckpointRow) -> StoredCheckpoint:
+    return StoredCheckpoint(
+        path=parse_checkpoint_path(row.tinker_path),
+        storage_dir=Path(row.storage_dir),
+        size_bytes=row.size_bytes,
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+    )
+
+
+def _live(row: CheckpointRow | None, now: datetime) -> bool:
+    return row is not None and (row.expires_at is None or row.expires_at > now)
+
+
+class CheckpointStore:
+    def __init__(self, db: Database, root: Path) -> None:
+        self.db = db
+        self.root = root
+        self._staging_root = root / ".staging"
+
+    def discard_staging(self) -> None:
+        """On start: saves a dead server left half-written are garbage."""
+        shutil.rmtree(self._staging_root, ignore_errors=True)
+
+    def staging_dir(self) -> Path:
+        """A fresh, not yet existing directory for the engine to write a checkpoint into."""
+        self._staging_root.mkdir(parents=True, exist_ok=True)
+        return self._staging_root / uuid.uuid4().hex
+
+    def final_dir(self, path: CheckpointPath) -> Path:
+        return self.root / path.model_id / _FOLDERS[path.kind] / path.name
+
+    def exists(self, path: CheckpointPath) -> bool:
+        with self.db.read() as session:
+            return _live(session.get(CheckpointRow, str(path)), utcnow())
+
+    def commit(
+        self, path: CheckpointPath, staged: Path, *, size_bytes: int, ttl_seconds: int | None, overwrite: bool
+    ) -> StoredCheckpoint:
+        """Move a finished save into place and record it; the row is written last, so a crash in between
+        leaves only a directory without a row, which the next save of that name replaces."""
+        final = self.final_dir(path)
+        now = utcnow()
+        with self.db.write() as session:
+            row = session.get(CheckpointRow, str(path))
+            if _live(row, now) and not overwrite:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise CheckpointExistsError(
+                    f"checkpoint {path} already exists; save under another name or pass overwrite=True"
+                )
+            if final.exists():
+                shutil.rmtree(final)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staged.rename(final)
+            if row is None:
+                row = CheckpointRow(
+                    tinker_path=str(path), model_id=path.model_id, kind=path.kind, name=path.name
+                )
+                session.add(row)
+            row.storage_dir = str(final)
+            row.size_bytes = size_bytes
+            row.created_at = now
+            row.expires_at = None if ttl_seconds is None else now + timedelta(seconds=ttl_seconds)
+            session.flush()
+            return _stored(row)
+
+    def get(self, path: str | CheckpointPath) -> StoredCheckpoint:
+        parsed = parse_checkpoint_path(path) if isinstance(path, str) else path
+        with self.db.read() as session:
+            row = session.get(CheckpointRow, str(parsed))
+            if row is None or not _live(row, utcnow()):
+                raise CheckpointNotFoundError(f"no checkpoint {parsed}: it was never saved, or was deleted")
+            return _stored(row)
+
+    def source(self, path: str) -> CheckpointSource:
+        checkpoint = self.get(path)
+        with self.db.read() as session:
+            model = session.get(ModelRow, checkpoint.path.model_id)
+            assert model is not None, "checkpoint rows reference their model (foreign key)"
+            return CheckpointSource(checkpoint, model.base_model, dict(model.lora_config))
+
+    def for_model(self, model_id: str) -> list[StoredCheckpoint]:
+        now = utcnow()
+        with self.db.read() as session:
+            rows = session.scalars(
+                select(CheckpointRow)
+                .where(CheckpointRow.model_id == model_id)
+                .order_by(CheckpointRow.created_at)
+            ).all()
+            return [_stored(row) for row in rows if _live(row, now)]
+
+    def delete(self, path: CheckpointPath) -> None:
+        with self.db.write() as session:
+            row = session.get(CheckpointRow, str(path))
+            if row is None:
+                raise CheckpointNotFoundError(f"no checkpoint {path} to delete")
+            storage_dir = Path(row.storage_dir)
+            session.delete(row)
+        shutil.rmtree(storage_dir, ignore_errors=True)
+
+    def delete_expired(self) -> int:
+        now = utcnow()
+        with self.db.write() as session:
+            rows = session.scalars(select(CheckpointRow).where(CheckpointRow.expires_at <= now)).all()
+            dirs = [Path(row.storage_dir) for row in rows]
+            for row in rows:
+                session.delete(row)
+        for storage_dir in dirs:
+            shutil.rmtree(storage_dir, ignore_errors=True)
+        return len(dirs)

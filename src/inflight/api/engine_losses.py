@@ -1,0 +1,189 @@
+"""Tinker's loss semantics over the pure losses in `inflight.losses`: validating a forward_backward job's
+datums and loss config into tensors, the per-token loss of its rows, and its `name:reduction` metrics.
+
+Losses are plain SUMS over tokens and datums (no normalisation). Knows nothing of models or batching.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from inflight.api.engine_types import Datum, ForwardBackwardJob
+from inflight.errors import UserError
+from inflight.losses import LOSSES, LossFn, LossInputs, LossOutputs, LossParams
+
+SUPPORTED_LOSSES: tuple[str, ...] = tuple(LOSSES)
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+_KNOWN_INPUTS = ("target_tokens", "weights", "logprobs", "advantages")
+_CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
+_CONFIG_KEYS = {"ppo": _CLIP_KEYS, "cispo": _CLIP_KEYS}
+
+
+@dataclass
+class PreparedDatum:
+    """One datum as tensors, all [T] and aligned: targets[i] is predicted from input_ids[: i + 1]."""
+
+    input_ids: Tensor  # [T] long
+    targets: Tensor  # [T] long
+    weights: Tensor  # [T] float32, 1 where the client sent none
+    behaviour_logprobs: Tensor  # [T] float32 sampler log-probs q (0 for cross_entropy)
+    advantages: Tensor  # [T] float32 (0 for cross_entropy)
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class PreparedJob:
+    job: ForwardBackwardJob
+    loss_fn: LossFn
+    params: LossParams
+    datums: list[PreparedDatum]
+
+    @property
+    def is_rl(self) -> bool:
+        return self.job.loss_fn != "cross_entropy"
+
+
+def prepare_job(job: ForwardBackwardJob, vocab_size: int, max_tokens: int) -> PreparedJob:
+    """Validate a job and turn its datums into tensors; every problem is a UserError naming it."""
+    if job.loss_fn not in LOSSES:
+        raise UserError(
+            f"unsupported loss_fn {job.loss_fn!r}; this server supports: {', '.join(SUPPORTED_LOSSES)}"
+        )
+    params = _loss_params(job.loss_fn, job.loss_fn_config)
+    if not job.data:
+        raise UserError("forward_backward needs at least one datum, got an empty list")
+    datums = [
+        _prepare_datum(i, datum, job.loss_fn, vocab_size, max_tokens) for i, datum in enumerate(job.data)
+    ]
+    return PreparedJob(job=job, loss_fn=LOSSES[job.loss_fn], params=params, datums=datums)
+
+
+def _loss_params(loss_fn: str, config: dict[str, float] | None) -> LossParams:
+    allowed = _CONFIG_KEYS.get(loss_fn, ())
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(allowed))
+    if unknown:
+        hint = f"it accepts {', '.join(allowed)}" if allowed else "it takes no config"
+        raise UserError(f"loss_fn_config for {loss_fn!r} has unknown keys {unknown}; {hint}")
+    for key, value in config.items():
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise UserError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
+    params = LossParams(
+        clip_low_threshold=config.get("clip_low_threshold"),
+        clip_high_threshold=config.get("clip_high_threshold"),
+    )
+    if allowed:
+        try:
+            params.clip_thresholds(loss_fn)
+        except ValueError as exc:
+            raise UserError(f"loss_fn_config: {exc}") from exc
+    return params
+
+
+def _prepare_datum(index: int, datum: Datum, loss_fn: str, vocab_size: int, max_tokens: int) -> PreparedDatum:
+    where = f"datum {index}"
+    n = len(datum.input_tokens)
+    if n == 0:
+        raise UserError(f"{where}: model_input has no tokens")
+    if n > max_tokens:
+        raise UserError(f"{where}: {n} tokens exceed the model's context of {max_tokens}")
+    inputs = datum.loss_fn_inputs
+    unknown = sorted(set(inputs) - set(_KNOWN_INPUTS))
+    if unknown:
+        raise UserError(f"{where}: unknown loss_fn_inputs {unknown}; expected some of {list(_KNOWN_INPUTS)}")
+    required = ("target_tokens",) if loss_fn == "cross_entropy" else _RL_INPUTS
+    missing = [key for key in required if key not in inputs]
+    if missing:
+        raise UserError(f"{where}: loss {loss_fn!r} needs loss_fn_inputs {missing}")
+    for key, values in inputs.items():
+        if len(values) != n:
+            raise UserError(
+                f"{where}: loss_fn_inputs[{key!r}] has {len(values)} values but model_input has {n} tokens "
+                "(each input is one value per input token; top-K targets are not supported)"
+            )
+
+    def floats(key: str, default: float) -> Tensor:
+        if key not in inputs:
+            return torch.full((n,), default, dtype=torch.float32)
+        values = torch.tensor(inputs[key], dtype=torch.float64)
+        bad = (~torch.isfinite(values)).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise UserError(f"{where}: loss_fn_inputs[{key!r}][{i}] = {inputs[key][i]} is not finite")
+        return values.float()
+
+    return PreparedDatum(
+        input_ids=_token_ids(f"{where}: model_input", datum.input_tokens, vocab_size),
+        targets=_token_ids(f"{where}: target_tokens", inputs["target_tokens"], vocab_size),
+        weights=floats("weights", 1.0),
+        behaviour_logprobs=floats("logprobs", 0.0),
+        advantages=floats("advantages", 0.0),
+    )
+
+
+def _token_ids(where: str, values: Sequence[int | float], vocab_size: int) -> Tensor:
+    ids = torch.tensor(values, dtype=torch.float64)  # JSON may decode ids as floats; they must be integral
+    bad = ((ids != ids.round()) | (ids < 0) | (ids >= vocab_size)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise UserError(f"{where}[{i}] = {values[i]} is not a token id in [0, {vocab_size})")
+    return ids.long()
+
+
+def loss_outputs(job: PreparedJob, logprobs: Tensor, rows: dict[str, Tensor]) -> LossOutputs:
+    """The Tinker per-token loss [b,T] (and its statistics) of `job` from learner log-probs [b,T].
+
+    `rows` holds the job's padded "weights", "behaviour_logprobs", "advantages" [b,T] (0 at padding).
+    For the RL losses the mask is weights * (A != 0): where A = 0 (the prompt part of an RL datum,
+    which the cookbook pads with q = 0) every RL loss is 0 with gradient 0 anyway, and leaving those
+    tokens out keeps the ratio statistics about the tokens the loss actually uses.
+    """
+    weights = rows["weights"]
+    if job.is_rl:
+        weights = weights * (rows["advantages"] != 0)
+    inputs = LossInputs(
+        logprobs=logprobs,
+        mask=weights,
+        behaviour_logprobs=rows["behaviour_logprobs"] if job.is_rl else None,
+        advantages=rows["advantages"] if job.is_rl else None,
+    )
+    return job.loss_fn(inputs, job.params)
+
+
+def job_metrics(job: PreparedJob, logprobs: Sequence[Tensor], losses: Sequence[Tensor]) -> dict[str, float]:
+    """`name:reduction` metrics of a whole job from its datums' detached log-probs and per-token losses [T].
+
+    The loss statistics (ratio, ESS, clip fractions) are recomputed over the job's concatenated tokens,
+    so they do not depend on how its datums were split into micro-batches.
+    """
+    rows = {
+        key: torch.cat([getattr(d, key) for d in job.datums])[None]
+        for key in ("weights", "behaviour_logprobs", "advantages")
+    }
+    lp = torch.cat([t.detach().cpu() for t in logprobs])[None]
+    with torch.no_grad():
+        stats = loss_outputs(job, lp, rows).metrics
+    total = float(torch.cat([t.detach().double().cpu() for t in losses]).sum())
+    metrics = {"loss:sum": total, "num_datums:sum": float(len(job.datums))}
+    for key, value in stats.items():
+        metrics[f"{key}:{_reduction(key)}"] = value
+    return metrics
+
+
+def _reduction(key: str) -> str:
+    # How the SDK combines a metric across the chunks of one large forward_backward call.
+    if key == "num_tokens":
+        return "sum"
+    if key.endswith(("_max", "_max_abs")):
+        return "max"
+    if key.endswith("_min"):
+        return "min"
+    return "mean"

@@ -1,0 +1,122 @@
+"""JSON wire requests -> engine jobs (LoraSpec, OptimStep, SampleJob), with the checks a route makes before
+accepting a request and the worker repeats when it builds the job.
+
+Pure functions over `schemas` and `engine_types`; protobuf requests are `proto`'s business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inflight.api.engine_types import LoraSpec, OptimStep, SampleJob
+from inflight.api.schemas import AdamParams, LoraConfig, OptimStepRequest, SampleRequest
+from inflight.errors import UserError
+
+
+@dataclass(frozen=True)
+class BaseModelLimits:
+    """What a request must fit in; read once from the engine at start."""
+
+    vocab_size: int
+    max_context: int  # tokens: prompt + generated
+
+
+def lora_spec(config: LoraConfig | dict[str, object]) -> LoraSpec:
+    wire = config if isinstance(config, LoraConfig) else LoraConfig.model_validate(config)
+    return LoraSpec(
+        rank=wire.rank,
+        seed=wire.seed,
+        train_attn=wire.train_attn,
+        train_mlp=wire.train_mlp,
+        train_unembed=wire.train_unembed,
+    )
+
+
+def optim_step(request: OptimStepRequest) -> OptimStep:
+    params = request.adam_params or request.optim_params
+    if params is None:
+        if request.optimizer_params is not None:
+            family = request.optimizer_params.get("type", "?")
+            raise UserError(f"optimizer {family!r} is not supported; this server runs AdamW (adam_params)")
+        params = AdamParams()
+    return OptimStep(
+        model_id=request.model_id,
+        learning_rate=params.learning_rate,
+        beta1=params.beta1,
+        beta2=params.beta2,
+        eps=params.eps,
+        weight_decay=params.weight_decay,
+        grad_clip_norm=params.grad_clip_norm,
+    )
+
+
+def sample_job(
+    request: SampleRequest,
+    *,
+    base_model: str,
+    weights: str | None,
+    limits: BaseModelLimits,
+    default_max_tokens: int,
+    max_num_samples: int,
+) -> SampleJob:
+    """Raises UserError for anything the engine cannot honour, so the SDK never gets a silently
+    different answer than it asked for."""
+    _check_unsupported(request)
+    prompt = request.prompt.tokens()
+    if not prompt:
+        raise UserError("the prompt is empty: sampling needs at least one prompt token")
+    bad = [token for token in prompt if not 0 <= token < limits.vocab_size]
+    if bad:
+        raise UserError(f"prompt holds token id {bad[0]}, outside the vocabulary [0, {limits.vocab_size})")
+    if request.num_samples > max_num_samples:
+        raise UserError(
+            f"num_samples={request.num_samples} is above this server's limit of {max_num_samples}"
+        )
+    room = limits.max_context - len(prompt)
+    if room < 1:
+        raise UserError(f"the prompt has {len(prompt)} tokens; the model's context is {limits.max_context}")
+    params = request.sampling_params
+    max_tokens = params.max_tokens if params.max_tokens is not None else min(default_max_tokens, room)
+    if max_tokens > room:
+        raise UserError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
+            f"{limits.max_context} tokens"
+        )
+    last_n = request.prompt_logprobs_last_n
+    if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
+        raise UserError(
+            f"prompt_logprobs_last_n={last_n} must be between 1 and len(prompt) - 1 = {len(prompt) - 1}"
+        )
+    stop = [params.stop] if isinstance(params.stop, str) else params.stop
+    stop_ids = [t for t in stop or () if isinstance(t, int)]
+    if any(not 0 <= t < limits.vocab_size for t in stop_ids):
+        raise UserError(f"stop token ids {stop_ids} must lie in the vocabulary [0, {limits.vocab_size})")
+    return SampleJob(
+        weights=weights,
+        base_model=base_model,
+        prompt_tokens=prompt,
+        num_samples=request.num_samples,
+        max_tokens=max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=stop,
+        prompt_logprobs=bool(request.prompt_logprobs) or request.topk_prompt_logprobs > 0,
+        topk_prompt_logprobs=request.topk_prompt_logprobs,
+    )
+
+
+def _check_unsupported(request: SampleRequest) -> None:
+    unsupported = {
+        "topk_sample_logprobs": request.topk_sample_logprobs > 0,
+        "target_prompt_logprobs": request.target_prompt_logprobs is not None,
+        "prompt_alt_tokens_k": request.prompt_alt_tokens_k > 0,
+        # It feeds the stable_reinforce loss, which this server does not implement.
+        "record_stability_info": bool(request.record_stability_info),
+    }
+    named = [name for name, asked in unsupported.items() if asked]
+    if named:
+        raise UserError(f"sampling options not supported by this server: {', '.join(named)}")
+    if request.sampling_params.top_k == 0:
+        raise UserError("top_k=0 keeps no token: use -1 for no top-k limit, or a positive k")

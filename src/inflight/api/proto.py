@@ -1,0 +1,212 @@
+"""Protobuf <-> engine dataclasses: forward_backward requests in, forward_backward and sample results out.
+
+Uses the schema shipped inside the pinned `tinker` SDK (`tinker.proto.tinker_public_pb2`, spec §6) so the
+wire format cannot drift from the client. Knows nothing about HTTP, the database or futures; every decode
+error is a UserError naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from inflight.api.engine_types import Datum, ForwardBackwardJob, ForwardBackwardOutput, SampleOutput
+from inflight.api.ids import check_model_id
+from inflight.errors import UserError
+
+PROTO_CONTENT_TYPE = "application/x-protobuf"
+TOPK_EMPTY_TOKEN, TOPK_EMPTY_LOGPROB = 0, -99999.0  # the SDK's filler for missing top-k cells (spec §6)
+
+# Little-endian, as the SDK packs its numpy buffers.
+_DTYPES: dict[int, np.dtype] = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+}
+_INTEGER_INPUTS = frozenset({"target_tokens"})
+
+
+class ProtoError(UserError, ValueError):
+    """A protobuf body that is not a valid request; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ForwardBackwardHeader:
+    """What a route needs before trusting the rest of the body: where the request goes in the queue."""
+
+    model_id: str
+    seq_id: int
+    forward_only: bool
+
+
+def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
+    """Bytes -> message, or ProtoError when the bytes are not a ForwardBackwardRequest at all."""
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except (DecodeError, ValueError, RuntimeError) as err:
+        raise ProtoError(f"body is not a protobuf ForwardBackwardRequest: {err}") from None
+    return message
+
+
+def forward_backward_header(message: pb.ForwardBackwardRequest) -> ForwardBackwardHeader:
+    check_model_id(message.model_id)
+    return ForwardBackwardHeader(message.model_id, message.seq_id, message.forward_only)
+
+
+def forward_backward_job(message: pb.ForwardBackwardRequest, *, vocab_size: int) -> ForwardBackwardJob:
+    """The engine's job for one request; token ids are checked against the base model's vocabulary."""
+    if not message.loss_fn:
+        raise ProtoError("loss_fn is empty: name a loss such as 'cross_entropy'")
+    if not message.data:
+        raise ProtoError("data is empty: a forward_backward request needs at least one datum")
+    data = [_datum(i, datum, vocab_size) for i, datum in enumerate(message.data)]
+    return ForwardBackwardJob(
+        model_id=message.model_id,
+        data=data,
+        loss_fn=message.loss_fn,
+        loss_fn_config=_loss_fn_config(message),
+        backward=not message.forward_only,
+    )
+
+
+def _loss_fn_config(message: pb.ForwardBackwardRequest) -> dict[str, float] | None:
+    # The SDK dual-writes numbers into the legacy map and v2; v2 wins when present (spec §6).
+    config: dict[str, float] = dict(message.loss_fn_config)
+    for key, value in message.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise ProtoError(f"loss_fn_config[{key!r}] is text ({value.text!r}); only numbers are supported")
+        config[key] = value.number
+    for key, number in config.items():
+        if not math.isfinite(number):
+            raise ProtoError(f"loss_fn_config[{key!r}] is {number}; it must be a finite number")
+    return config or None
+
+
+def _datum(index: int, datum: pb.Datum, vocab_size: int) -> Datum:
+    where = f"data[{index}]"
+    tokens = _input_tokens(where, datum)
+    if not tokens.size:
+        raise ProtoError(f"{where}.model_input has no tokens")
+    _check_vocab(f"{where}.model_input", tokens, vocab_size)
+    inputs: dict[str, list[float] | list[int]] = {}
+    for key, tensor in datum.loss_fn_inputs.items():
+        values = _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor)
+        if values.size != tokens.size:
+            raise ProtoError(
+                f"{where}.loss_fn_inputs[{key!r}] has {values.size} values but model_input has "
+                f"{tokens.size} tokens; every loss input needs one value per input token (pre-shifted)"
+            )
+        if key in _INTEGER_INPUTS:
+            _check_vocab(f"{where}.loss_fn_inputs[{key!r}]", values, vocab_size)
+            inputs[key] = values.astype(np.int64).tolist()
+        else:
+            if not np.isfinite(values).all():
+                raise ProtoError(f"{where}.loss_fn_inputs[{key!r}] contains NaN or infinite values")
+            inputs[key] = values.astype(np.float64).tolist()
+    if "target_tokens" not in inputs:
+        raise ProtoError(f"{where}.loss_fn_inputs has no 'target_tokens'")
+    return Datum(input_tokens=tokens.astype(np.int64).tolist(), loss_fn_inputs=inputs)
+
+
+def _input_tokens(where: str, datum: pb.Datum) -> np.ndarray:
+    parts = []
+    for j, chunk in enumerate(datum.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            found = f"a {kind}" if kind else "an empty"
+            raise ProtoError(f"{where}.model_input[{j}] is {found} chunk; only encoded_text is supported")
+        parts.append(
+            _frombuffer(f"{where}.model_input[{j}].tokens", chunk.encoded_text.tokens, np.dtype("<i4"))
+        )
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def _tensor(where: str, tensor: pb.Tensor) -> np.ndarray:
+    dtype = _DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise ProtoError(f"{where} has dtype {tensor.dtype}; supported: float32, int64, int32")
+    if tensor.WhichOneof("encoding") != "dense":
+        raise ProtoError(f"{where} is not a dense tensor (sparse/2-D loss inputs are not supported)")
+    values = _frombuffer(where, tensor.dense, dtype)
+    shape = list(tensor.shape)
+    if len(shape) > 1:
+        raise ProtoError(f"{where} has shape {shape}; only 1-D loss inputs are supported")
+    if shape and shape[0] != values.size:
+        raise ProtoError(f"{where} declares shape {shape} but holds {values.size} values")
+    return values
+
+
+def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise ProtoError(f"{where} has {len(raw)} bytes, not a whole number of {dtype.name} values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _check_vocab(where: str, tokens: np.ndarray, vocab_size: int) -> None:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(tokens[(tokens < 0) | (tokens >= vocab_size)][0])
+        raise ProtoError(f"{where} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
+    """One ArrayRecord holding every datum: each field's data is the datums' float32 arrays back to back,
+    with int64 *byte* offsets (spec §6)."""
+    message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in output.metrics.items():
+        message.metrics[key] = float(value)
+    record = message.loss_fn_outputs.add()
+    record.num_datums = len(output.loss_fn_outputs)
+    keys = sorted({key for datum in output.loss_fn_outputs for key in datum})
+    for key in keys:
+        arrays = [np.asarray(datum.get(key, ()), dtype="<f4").ravel() for datum in output.loss_fn_outputs]
+        ends = np.cumsum([array.nbytes for array in arrays], dtype=np.int64)
+        field = record.fields[key]
+        field.data = b"".join(array.tobytes() for array in arrays)
+        field.offsets = np.concatenate([np.zeros(1, dtype="<i8"), ends]).astype("<i8").tobytes()
+        field.dtype = pb.DTYPE_FLOAT32
+    return message.SerializeToString()
+
+
+def encode_sample_output(
+    output: SampleOutput, *, prompt_logprobs_last_n: int | None = None, topk_prompt_logprobs: int = 0
+) -> bytes:
+    """SampleResponse bytes. Prompt positions without a logprob (the first, or those before the last N
+    asked for) are NaN, which the SDK shows as None."""
+    message = pb.SampleResponse()
+    for sequence in output.sequences:
+        message.sequences.add(
+            stop_reason=pb.STOP_REASON_LENGTH if sequence.stop_reason == "length" else pb.STOP_REASON_STOP,
+            tokens=np.asarray(sequence.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(sequence.logprobs, dtype="<f4").tobytes(),
+        )
+    if output.prompt_logprobs is not None:
+        values = np.array([math.nan if v is None else v for v in output.prompt_logprobs], dtype="<f4")
+        skip = _positions_skipped(values.size, prompt_logprobs_last_n)
+        values[:skip] = math.nan
+        message.prompt_logprobs = values.tobytes()
+    if output.topk_prompt_logprobs is not None and topk_prompt_logprobs > 0:
+        message.topk_prompt_logprobs.CopyFrom(
+            _topk(output.topk_prompt_logprobs, topk_prompt_logprobs, prompt_logprobs_last_n)
+        )
+    return message.SerializeToString()
+
+
+def _positions_skipped(length: int, last_n: int | None) -> int:
+    return 0 if last_n is None else max(0, length - last_n)
+
+
+def _topk(rows: list[list[tuple[int, float]] | None], k: int, last_n: int | None) -> pb.TopkLogprobs:
+    token_ids = np.full((len(rows), k), TOPK_EMPTY_TOKEN, dtype="<i4")
+    logprobs = np.full((len(rows), k), TOPK_EMPTY_LOGPROB, dtype="<f4")
+    skip = _positions_skipped(len(rows), last_n)
+    for i, row in enumerate(rows):
+        if row is None or i < skip:
+            continue
+        for j, (token, logprob) in enumerate(row[:k]):
+            token_ids[i, j], logprobs[i, j] = token, logprob
+    return pb.TopkLogprobs(token_ids=token_ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows))

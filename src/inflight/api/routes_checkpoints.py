@@ -1,0 +1,112 @@
+"""Training runs and their checkpoints: list, get, delete, weights_info (spec §4 O routes, §9)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query
+from sqlalchemy import func, select
+
+from inflight.api.checkpoints import StoredCheckpoint
+from inflight.api.db import FutureRow, ModelRow
+from inflight.api.ids import check_model_id, checkpoint_path, parse_checkpoint_path
+from inflight.api.schemas import (
+    CheckpointInfo,
+    CheckpointsListResponse,
+    Cursor,
+    LoraConfig,
+    TrainingRun,
+    TrainingRunsResponse,
+    WeightsInfoRequest,
+    WeightsInfoResponse,
+)
+from inflight.api.service import ServiceState, StateDep
+from inflight.errors import UserError
+
+router = APIRouter(prefix="/api/v1")
+
+MODEL_OWNER = "inflight"  # one tenant namespace: every key sees every run
+_FOLDER_KINDS = {"weights": "state", "sampler_weights": "sampler"}
+
+
+@router.get("/training_runs")
+def list_training_runs(
+    state: StateDep, limit: int = Query(default=20, ge=1, le=1000), offset: int = Query(default=0, ge=0)
+) -> TrainingRunsResponse:
+    with state.db.read() as session:
+        total = session.scalar(select(func.count()).select_from(ModelRow)) or 0
+        model_ids = session.scalars(
+            select(ModelRow.model_id)
+            .order_by(ModelRow.created_at, ModelRow.model_id)
+            .offset(offset)
+            .limit(limit)
+        ).all()
+    return TrainingRunsResponse(
+        training_runs=[_training_run(state, model_id) for model_id in model_ids],
+        cursor=Cursor(offset=offset, limit=limit, total_count=total),
+    )
+
+
+@router.get("/training_runs/{model_id}")
+def get_training_run(model_id: str, state: StateDep) -> TrainingRun:
+    return _training_run(state, check_model_id(model_id))
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+def list_checkpoints(model_id: str, state: StateDep) -> CheckpointsListResponse:
+    state.model(check_model_id(model_id))
+    return CheckpointsListResponse(checkpoints=[_info(c) for c in state.checkpoints.for_model(model_id)])
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{folder}/{name}")
+def delete_checkpoint(model_id: str, folder: str, name: str, state: StateDep) -> dict[str, str]:
+    kind = _FOLDER_KINDS.get(folder)
+    if kind is None:
+        raise UserError(f"unknown checkpoint folder {folder!r}: expected 'weights' or 'sampler_weights'")
+    path = checkpoint_path(model_id, "state" if kind == "state" else "sampler", name)
+    state.checkpoints.delete(path)
+    return {"deleted": str(path)}
+
+
+@router.post("/weights_info")
+def weights_info(body: WeightsInfoRequest, state: StateDep) -> WeightsInfoResponse:
+    source = state.checkpoints.source(str(parse_checkpoint_path(body.tinker_path)))
+    lora = LoraConfig.model_validate(source.lora_config)
+    return WeightsInfoResponse(
+        base_model=source.base_model,
+        lora_rank=lora.rank,
+        train_unembed=lora.train_unembed,
+        train_mlp=lora.train_mlp,
+        train_attn=lora.train_attn,
+    )
+
+
+def _training_run(state: ServiceState, model_id: str) -> TrainingRun:
+    row = state.model(model_id)
+    with state.db.read() as session:
+        last_request = session.scalar(
+            select(func.max(FutureRow.created_at)).where(FutureRow.model_id == model_id)
+        )
+    checkpoints = state.checkpoints.for_model(model_id)
+    last = {c.path.kind: c for c in checkpoints}  # oldest first, so the last one of each kind wins
+    return TrainingRun(
+        training_run_id=model_id,
+        base_model=row.base_model,
+        model_owner=MODEL_OWNER,
+        corrupted=row.status == "failed",
+        lora_rank=row.lora_rank,
+        last_request_time=last_request or row.created_at,
+        last_checkpoint=_info(last["state"]) if "state" in last else None,
+        last_sampler_checkpoint=_info(last["sampler"]) if "sampler" in last else None,
+    )
+
+
+def _info(checkpoint: StoredCheckpoint) -> CheckpointInfo:
+    path = checkpoint.path
+    folder = "weights" if path.kind == "state" else "sampler_weights"
+    return CheckpointInfo(
+        checkpoint_id=f"{folder}/{path.name}",
+        checkpoint_type="training" if path.kind == "state" else "sampler",
+        time=checkpoint.created_at,
+        tinker_path=str(path),
+        size_bytes=checkpoint.size_bytes,
+        expires_at=checkpoint.expires_at,
+    )

@@ -1,0 +1,51 @@
+"""retrieve_future: the long-poll every SDK call ends in (spec §3).
+
+Hold a pending future up to `long_poll_hold_s` (~25 s, below the SDK's 45 s timeout), waking as soon as the
+worker finishes it, then answer `try_again` (the SDK re-polls at once). Results go out as stored: protobuf
+for forward/forward_backward/sample, JSON for the rest; a failure is HTTP 200 + {"error", "category"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from fastapi import APIRouter
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+
+from inflight.api.futures import Future, RequestType
+from inflight.api.proto import PROTO_CONTENT_TYPE
+from inflight.api.schemas import FutureRetrieveRequest, TryAgainResponse, unfinished_or_failed
+from inflight.api.service import StateDep
+
+router = APIRouter(prefix="/api/v1")
+
+_PROTO_RESULTS = (RequestType.FORWARD, RequestType.FORWARD_BACKWARD, RequestType.SAMPLE)
+# Re-read the database this often while holding, as a backstop should a wake-up ever be missed.
+RECHECK_S = 1.0
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(body: FutureRetrieveRequest, state: StateDep) -> Response:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.long_poll_hold_s
+    with state.board.watch(body.request_id) as finished:
+        while True:
+            finished.clear()  # before the read: a finish after it sets the event again
+            future = await run_in_threadpool(state.store.get, body.request_id)
+            if future.finished:
+                return _answer(future)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return JSONResponse(TryAgainResponse(request_id=future.request_id).model_dump(mode="json"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), min(remaining, RECHECK_S))
+
+
+def _answer(future: Future) -> Response:
+    failed = unfinished_or_failed(future)
+    if failed is not None:
+        return JSONResponse(failed.model_dump(mode="json"))
+    media_type = PROTO_CONTENT_TYPE if future.request_type in _PROTO_RESULTS else "application/json"
+    return Response(content=future.result_payload or b"", media_type=media_type)

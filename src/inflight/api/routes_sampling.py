@@ -1,0 +1,119 @@
+"""Sampling routes: create_sampling_session, samplers/{id}, asample (spec §4, §8).
+
+A sampling session names frozen weights: a sampler checkpoint (model_path), the bare base model, or an
+in-memory snapshot that save_weights_for_sampler made (the worker creates those sessions).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from sqlalchemy.exc import IntegrityError
+
+from inflight.api import jobs
+from inflight.api.db import SamplingSessionRow
+from inflight.api.futures import RequestType
+from inflight.api.ids import new_sampling_session_id, parse_checkpoint_path
+from inflight.api.routes_common import submit
+from inflight.api.schemas import (
+    CreateSamplingSessionRequest,
+    CreateSamplingSessionResponse,
+    GetSamplerResponse,
+    SampleRequest,
+    UntypedAPIFuture,
+    future_response,
+)
+from inflight.api.service import NotFoundError, ServiceState, StateDep
+from inflight.errors import UserError
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/create_sampling_session")
+def create_sampling_session(
+    body: CreateSamplingSessionRequest, state: StateDep
+) -> CreateSamplingSessionResponse:
+    state.session(body.session_id)
+    model_path: str | None = None
+    if body.model_path is not None:
+        model_path = str(parse_checkpoint_path(body.model_path))
+        base_model = state.checkpoints.source(model_path).base_model
+        if body.base_model is not None and body.base_model != base_model:
+            raise UserError(f"{model_path} was trained on {base_model!r}, not {body.base_model!r}")
+    elif body.base_model is not None:
+        base_model = state.base_model(body.base_model).name
+    else:
+        raise UserError("create_sampling_session needs a model_path (tinker://...) or a base_model")
+    sampling_session_id = new_sampling_session_id(body.session_id, body.sampling_session_seq_id)
+    wanted = (base_model, model_path, None)
+    try:
+        with state.db.write() as session:
+            row = session.get(SamplingSessionRow, sampling_session_id)
+            if row is None:
+                session.add(
+                    SamplingSessionRow(
+                        sampling_session_id=sampling_session_id,
+                        session_id=body.session_id,
+                        sampling_session_seq_id=body.sampling_session_seq_id,
+                        base_model=base_model,
+                        model_path=model_path,
+                    )
+                )
+                row = None
+    except IntegrityError:  # a concurrent retry inserted it first
+        row = _sampling_session(state, sampling_session_id)
+    if row is not None and (row.base_model, row.model_path, row.snapshot_key) != wanted:
+        raise UserError(
+            f"sampling_session_seq_id {body.sampling_session_seq_id} of session {body.session_id!r} already "
+            "names other weights; a new sampling client needs the next sampling_session_seq_id"
+        )
+    return CreateSamplingSessionResponse(sampling_session_id=sampling_session_id)
+
+
+@router.get("/samplers/{sampler_id}")
+def get_sampler(sampler_id: str, state: StateDep) -> GetSamplerResponse:
+    row = _sampling_session(state, sampler_id)
+    return GetSamplerResponse(
+        sampler_id=row.sampling_session_id, base_model=row.base_model, model_path=row.model_path
+    )
+
+
+@router.post("/asample")
+def asample(body: SampleRequest, state: StateDep) -> UntypedAPIFuture:
+    """Samples of all sessions and adapters are batched by the worker; the promise carries one sequence id
+    per requested sample, which the SDK stamps on the returned sequences in order."""
+    if body.sampling_session_id is None or body.seq_id is None:
+        raise UserError(
+            "asample needs sampling_session_id and seq_id (create a sampling client first); sampling by "
+            "base_model/model_path alone is the pre-0.18 protocol and is not served"
+        )
+    row = _sampling_session(state, body.sampling_session_id)
+    limits = state.base_model(row.base_model).limits
+
+    def check() -> None:
+        jobs.sample_job(
+            body,
+            base_model=row.base_model,
+            weights=None,
+            limits=limits,
+            default_max_tokens=state.config.default_max_tokens,
+            max_num_samples=state.config.max_num_samples,
+        )
+
+    payload = body.model_dump_json().encode()
+    future = submit(state, body.sampling_session_id, body.seq_id, RequestType.SAMPLE, payload, check=check)
+    # A rejected request (e.g. num_samples above the limit) has no sequences to name.
+    count = body.num_samples if future.status != "failed" else 0
+    sequence_ids = [f"{future.request_id}-{i}" for i in range(count)]
+    return future_response(future, sample_sequence_ids=sequence_ids)
+
+
+def _sampling_session(state: ServiceState, sampling_session_id: str) -> SamplingSessionRow:
+    with state.db.read() as session:
+        row = session.get(SamplingSessionRow, sampling_session_id)
+        if row is not None:
+            session.expunge(row)  # keep its loaded values past the read's rollback
+    if row is None:
+        raise NotFoundError(
+            f"unknown sampling session {sampling_session_id!r}: create a sampling client first"
+        )
+    return row

@@ -1,0 +1,218 @@
+"""Training routes: create_model, get_info, forward_backward (protobuf), optim_step, save_weights,
+save_weights_for_sampler, load_weights. Thin: validate, write a future, return it (spec §4, §7).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.exc import IntegrityError
+
+from inflight.api import jobs
+from inflight.api.db import ModelRow
+from inflight.api.futures import FIRST_SEQ_ID, RequestType
+from inflight.api.ids import checkpoint_path, model_id
+from inflight.api.proto import (
+    PROTO_CONTENT_TYPE,
+    forward_backward_header,
+    forward_backward_job,
+    parse_forward_backward,
+)
+from inflight.api.routes_common import submit
+from inflight.api.schemas import (
+    CreateModelRequest,
+    GetInfoRequest,
+    GetInfoResponse,
+    LoadWeightsRequest,
+    LoraConfig,
+    ModelData,
+    OptimStepRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsRequest,
+    UntypedAPIFuture,
+    future_response,
+)
+from inflight.api.service import ServiceState, StateDep
+from inflight.errors import UserError
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/create_model")
+def create_model(body: CreateModelRequest, state: StateDep) -> UntypedAPIFuture:
+    state.session(body.session_id)
+    state.base_model(body.base_model)
+    _check_new_model(state, body.lora_config, body.optimizer_config.type)
+    new_id = model_id(body.session_id, body.model_seq_id)
+    _ensure_model_row(state, new_id, body.session_id, body.model_seq_id, body.base_model, body.lora_config)
+    future = state.store.submit(
+        new_id, FIRST_SEQ_ID, RequestType.CREATE_MODEL, body.model_dump_json().encode()
+    )
+    state.wake()
+    return future_response(future)
+
+
+@router.post("/get_info")
+def get_info(body: GetInfoRequest, state: StateDep) -> GetInfoResponse:
+    row = state.model(body.model_id)
+    info = state.base_model(row.base_model)
+    return GetInfoResponse(
+        model_id=row.model_id,
+        model_data=ModelData(arch=info.arch, model_name=row.base_model, tokenizer_id=info.tokenizer_dir),
+        lora_rank=row.lora_rank,
+        model_name=row.base_model,
+    )
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, state: StateDep) -> UntypedAPIFuture:
+    """Also TrainingClient.forward(): `forward_only` selects it. The body is always protobuf in SDK 0.38."""
+    content_type = request.headers.get("content-type", "")
+    if PROTO_CONTENT_TYPE not in content_type:
+        raise UserError(
+            f"forward_backward takes a protobuf body (Content-Type: {PROTO_CONTENT_TYPE}), "
+            f"got {content_type!r}"
+        )
+    if request.headers.get("content-encoding", "identity") != "identity":
+        raise UserError(
+            "compressed bodies are not accepted (the client config sets proto_compress_fwdbwd=false)"
+        )
+    body = await request.body()
+    return await run_in_threadpool(_submit_pass, state, body)
+
+
+def _submit_pass(state: ServiceState, body: bytes) -> UntypedAPIFuture:
+    message = parse_forward_backward(body)
+    header = forward_backward_header(message)
+    limits = state.base_model(state.model(header.model_id).base_model).limits
+    request_type = RequestType.FORWARD if header.forward_only else RequestType.FORWARD_BACKWARD
+    future = submit(
+        state,
+        header.model_id,
+        header.seq_id,
+        request_type,
+        body,
+        check=lambda: forward_backward_job(message, vocab_size=limits.vocab_size),
+    )
+    return future_response(future)
+
+
+@router.post("/optim_step")
+def optim_step(body: OptimStepRequest, state: StateDep) -> UntypedAPIFuture:
+    state.model(body.model_id)
+    payload = body.model_dump_json().encode()
+    future = submit(
+        state,
+        body.model_id,
+        body.seq_id,
+        RequestType.OPTIM_STEP,
+        payload,
+        check=lambda: jobs.optim_step(body),
+    )
+    return future_response(future)
+
+
+@router.post("/save_weights")
+def save_weights(body: SaveWeightsRequest, state: StateDep) -> UntypedAPIFuture:
+    state.model(body.model_id)
+    payload = body.model_dump_json().encode()
+
+    def check() -> None:
+        if body.path is not None:
+            checkpoint_path(body.model_id, "state", body.path)
+
+    future = submit(state, body.model_id, body.seq_id, RequestType.SAVE_WEIGHTS, payload, check=check)
+    return future_response(future)
+
+
+@router.post("/save_weights_for_sampler")
+def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, state: StateDep) -> UntypedAPIFuture:
+    state.model(body.model_id)
+    payload = body.model_dump_json().encode()
+
+    def check() -> None:
+        if body.path is not None:
+            checkpoint_path(body.model_id, "sampler", body.path)
+        elif body.sampling_session_seq_id is None:
+            raise UserError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
+
+    future = submit(
+        state, body.model_id, body.seq_id, RequestType.SAVE_WEIGHTS_FOR_SAMPLER, payload, check=check
+    )
+    return future_response(future)
+
+
+@router.post("/load_weights")
+def load_weights(body: LoadWeightsRequest, state: StateDep) -> UntypedAPIFuture:
+    """Create-via-load (session_id + model_seq_id: a new model from a checkpoint, its LoRA config taken from
+    the model that wrote it) or the legacy load_state onto an existing model (model_id + seq_id)."""
+    payload = body.model_dump_json().encode()
+    if body.session_id is not None:
+        if body.model_seq_id is None:
+            raise UserError("load_weights with session_id also needs model_seq_id")
+        state.session(body.session_id)
+        source = state.checkpoints.source(body.path)
+        if body.base_model is not None and body.base_model != source.base_model:
+            raise UserError(f"{body.path} was trained on {source.base_model!r}, not {body.base_model!r}")
+        if body.optimizer and source.checkpoint.path.kind != "state":
+            raise UserError(f"{body.path} is a sampler checkpoint: it holds no optimizer state")
+        lora = LoraConfig.model_validate(source.lora_config)
+        new_id = model_id(body.session_id, body.model_seq_id)
+        _ensure_model_row(state, new_id, body.session_id, body.model_seq_id, source.base_model, lora)
+        future = state.store.submit(new_id, FIRST_SEQ_ID, RequestType.LOAD_WEIGHTS, payload)
+        state.wake()
+        return future_response(future)
+    if body.model_id is None or body.seq_id is None:
+        raise UserError("load_weights needs either session_id + model_seq_id, or model_id + seq_id")
+    row = state.model(body.model_id)
+
+    def check() -> None:
+        source = state.checkpoints.source(body.path)
+        if (source.base_model, LoraConfig.model_validate(source.lora_config).rank) != (
+            row.base_model,
+            row.lora_rank,
+        ):
+            raise UserError(
+                f"{body.path} holds a rank-{source.lora_config.get('rank')} adapter of "
+                f"{source.base_model!r}; "
+                f"{body.model_id} is rank {row.lora_rank} on {row.base_model!r}"
+            )
+
+    future = submit(state, body.model_id, body.seq_id, RequestType.LOAD_WEIGHTS, payload, check=check)
+    return future_response(future)
+
+
+def _check_new_model(state: ServiceState, lora: LoraConfig, optimizer: str) -> None:
+    if optimizer != "adamw":
+        raise UserError(f"optimizer {optimizer!r} is not supported; this server trains with 'adamw'")
+    if lora.rank > state.config.max_lora_rank:
+        raise UserError(f"LoRA rank {lora.rank} is above this server's limit of {state.config.max_lora_rank}")
+
+
+def _ensure_model_row(
+    state: ServiceState, new_id: str, session_id: str, model_seq_id: int, base_model: str, lora: LoraConfig
+) -> None:
+    """Insert the model's row unless a retry of the same request already did."""
+    wanted = (base_model, lora.model_dump())
+    try:
+        with state.db.write() as session:
+            row = session.get(ModelRow, new_id)
+            if row is None:
+                session.add(
+                    ModelRow(
+                        model_id=new_id,
+                        session_id=session_id,
+                        model_seq_id=model_seq_id,
+                        base_model=base_model,
+                        lora_rank=lora.rank,
+                        lora_config=lora.model_dump(),
+                    )
+                )
+                return
+    except IntegrityError:  # a concurrent retry inserted it first
+        row = state.model(new_id)
+    if (row.base_model, row.lora_config) != wanted:
+        raise UserError(
+            f"model_seq_id {model_seq_id} of session {session_id!r} is already model {new_id} "
+            f"({row.base_model!r}, rank {row.lora_rank}); a new model needs the next model_seq_id"
+        )

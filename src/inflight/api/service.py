@@ -1,0 +1,149 @@
+"""What the thin routes share: the service's config, its stores, the worker to wake, and the board that
+tells long-polls a future finished.
+
+Owns no behaviour beyond lookups the routes repeat (a model's row, a base model's limits); `app.py` builds
+one `ServiceState` per app and the routes reach it through `StateDep`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from inflight.api.checkpoints import CheckpointStore
+from inflight.api.db import Database, ModelRow, SessionRow
+from inflight.api.futures import FutureStore
+from inflight.api.jobs import BaseModelLimits
+from inflight.errors import UserError
+
+# The SDK gives up on a retrieve_future after 45 s and then backs off for up to 30 s (spec §3).
+SDK_RETRIEVE_TIMEOUT_S = 45.0
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base_models: dict[str, str] = Field(min_length=1)  # name clients use -> model dir or hub id
+    state_dir: Path  # checkpoints, and the SQLite database unless db_url is set
+    db_url: str | None = None
+    api_keys: list[str] = Field(default_factory=list)
+    long_poll_hold_s: float = Field(default=25.0, gt=0)
+    max_request_bytes: int = Field(default=64 * 2**20, ge=1024)
+    max_lora_rank: int = Field(default=64, ge=1)
+    default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
+    max_num_samples: int = Field(default=256, ge=1)  # per sample request
+    # How far past the model's highest seq_id a request may land (a bigger jump is surely a client bug).
+    max_seq_id_ahead: int = Field(default=64, ge=1)
+
+    @field_validator("long_poll_hold_s")
+    @classmethod
+    def _below_sdk_timeout(cls, value: float) -> float:
+        if value >= SDK_RETRIEVE_TIMEOUT_S - 5:
+            raise ValueError(
+                f"long_poll_hold_s={value} must stay well below the SDK's {SDK_RETRIEVE_TIMEOUT_S:.0f} s "
+                "retrieve timeout, or clients time out and back off"
+            )
+        return value
+
+    @property
+    def database_url(self) -> str:
+        from inflight.api.db import sqlite_url
+
+        return self.db_url or sqlite_url(self.state_dir / "service.db")
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    name: str
+    tokenizer_dir: str  # a local dir AutoTokenizer loads offline: get_info's tokenizer_id (spec §10)
+    arch: str | None
+    limits: BaseModelLimits
+
+
+class NotFoundError(UserError, LookupError):
+    """An id that names nothing on this server (routes answer 404)."""
+
+
+class CompletionBoard:
+    """Wakes long-polls when the worker thread finishes their future (thread-safe `notify`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+
+    @contextlib.contextmanager
+    def watch(self, request_id: str) -> Iterator[asyncio.Event]:
+        """Register before reading the future's state, so a finish in between is never missed."""
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._waiters.setdefault(request_id, set()).add(waiter)
+        try:
+            yield waiter[1]
+        finally:
+            with self._lock:
+                waiters = self._waiters.get(request_id, set())
+                waiters.discard(waiter)
+                if not waiters:
+                    self._waiters.pop(request_id, None)
+
+    def notify(self, request_id: str) -> None:
+        with self._lock:
+            waiters = list(self._waiters.get(request_id, ()))
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting any more
+                loop.call_soon_threadsafe(event.set)
+
+
+@dataclass
+class ServiceState:
+    config: ServiceConfig
+    db: Database
+    store: FutureStore
+    checkpoints: CheckpointStore
+    base_models: dict[str, BaseModelInfo]
+    board: CompletionBoard
+    wake_worker: Callable[[], None]  # the routes' nudge after a submit, so the worker need not poll
+    counters: Callable[[], Mapping[str, int]]  # the worker's counts, for /server_stats
+
+    def base_model(self, name: str) -> BaseModelInfo:
+        info = self.base_models.get(name)
+        if info is None:
+            raise UserError(f"unknown base model {name!r}; this server serves: {sorted(self.base_models)}")
+        return info
+
+    def model(self, model_id: str) -> ModelRow:
+        with self.db.read() as session:
+            row = session.get(ModelRow, model_id)
+            if row is not None:
+                session.expunge(row)  # keep its loaded values past the read's rollback
+        if row is None:
+            raise NotFoundError(f"unknown model_id {model_id!r}: create it with create_model first")
+        return row
+
+    def session(self, session_id: str) -> SessionRow:
+        with self.db.read() as session:
+            row = session.get(SessionRow, session_id)
+            if row is not None:
+                session.expunge(row)
+        if row is None:
+            raise NotFoundError(f"unknown session_id {session_id!r}: call create_session first")
+        return row
+
+    def wake(self) -> None:
+        self.wake_worker()
+
+
+def get_state(request: Request) -> ServiceState:
+    state: ServiceState = request.app.state.service
+    return state
+
+
+StateDep = Annotated[ServiceState, Depends(get_state)]

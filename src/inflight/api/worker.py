@@ -1,0 +1,505 @@
+"""The engine loop: one thread owns the ServiceEngine, claims ready futures, batches them and writes results.
+
+One round (`run_once`), schedule -> execute -> update:
+  1. claim the head of every model whose next seq_id is ready: one future per model per round, so each
+     model's requests run strictly in seq_id order while different models advance together;
+  2. run the heads that change a model or write files (create, load, optim_step, saves) one by one;
+  3. run the forward / forward_backward heads as ONE engine call per base model, across LoRA adapters;
+  4. claim the pending samples of every sampling session and run them as one engine call per base model.
+Routes only write futures and `wake` the loop; `on_finished(request_id)` tells long-polls a result is in.
+The engine is never touched from any other thread. Every failure becomes a failed future (user or server
+category) and a count in `counters`; the loop itself never dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, Field
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from inflight.api import jobs
+from inflight.api.checkpoints import CheckpointStore
+from inflight.api.db import Database, ModelRow, SamplingSessionRow, SessionRow, utcnow
+from inflight.api.futures import Future, FutureStore, RequestType
+from inflight.api.ids import CheckpointKind, checkpoint_path, new_sampling_session_id, parse_model_id
+from inflight.api.proto import (
+    encode_forward_backward_output,
+    encode_sample_output,
+    forward_backward_job,
+    parse_forward_backward,
+)
+from inflight.api.schemas import (
+    CreateModelRequest,
+    CreateModelResponse,
+    LoadWeightsRequest,
+    LoadWeightsResponse,
+    OptimStepRequest,
+    OptimStepResponse,
+    SampleRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsRequest,
+    SaveWeightsResponse,
+)
+from inflight.errors import UserError
+
+if TYPE_CHECKING:
+    from inflight.api.engine import ServiceEngine
+    from inflight.api.engine_types import ForwardBackwardJob, SampleJob
+
+log = logging.getLogger(__name__)
+
+_PASSES = (RequestType.FORWARD, RequestType.FORWARD_BACKWARD)
+
+
+class WorkerConfig(BaseModel):
+    idle_poll_s: float = Field(default=0.05, gt=0)  # a backstop: routes wake the loop on every submit
+    max_sample_futures_per_batch: int = Field(default=64, ge=1)
+    housekeeping_interval_s: float = Field(default=5.0, gt=0)
+    seq_gap_timeout_s: float = Field(default=300.0, gt=0)
+    stop_timeout_s: float = Field(default=60.0, gt=0)
+    default_max_tokens: int = Field(default=256, ge=1)
+    max_num_samples: int = Field(default=256, ge=1)
+    # In-memory sampler snapshots kept per model (each RL step makes one); older ones are freed.
+    max_snapshots_per_model: int = Field(default=8, ge=1)
+
+
+class ModelUnavailableError(RuntimeError):
+    """The model has no live adapter (lost in a restart, failed to create, or unloaded)."""
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine: ServiceEngine,
+        db: Database,
+        checkpoints: CheckpointStore,
+        *,
+        limits: dict[str, jobs.BaseModelLimits],
+        on_finished: Callable[[str], None] = lambda request_id: None,
+        config: WorkerConfig | None = None,
+    ) -> None:
+        self.engine = engine
+        self.db = db
+        self.store = FutureStore(db)
+        self.checkpoints = checkpoints
+        self.limits = limits
+        self.on_finished = on_finished
+        self.config = config or WorkerConfig()
+        self.counters: Counter[str] = Counter()
+        self._counters_lock = threading.Lock()  # routes read the counters from other threads
+        # Sampler keys registered in this process's engine; snapshots die with the process.
+        self._sampler_keys: set[str] = set()
+        self._snapshots: dict[str, deque[str]] = defaultdict(deque)  # model_id -> snapshot keys, oldest first
+        self._evicted: set[str] = set()
+        self._base_of: dict[str, str] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def stats(self) -> dict[str, int]:
+        with self._counters_lock:
+            return dict(self.counters)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._counters_lock:
+            self.counters[key] += n
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """After a restart: fail what the dead process left running, mark live adapters lost (their
+        weights were in its memory), drop half-written saves. Pending futures stay queued: create and
+        load re-run, samples of base models and checkpoints re-run, the rest fail with a clear error."""
+        for future in self.store.recover():
+            self._count("failed_by_restart")
+            self.on_finished(future.request_id)
+        with self.db.write() as session:
+            for row in session.scalars(select(ModelRow).where(ModelRow.status == "ready")):
+                row.status = "lost"
+        self.checkpoints.discard_staging()
+
+    def start(self) -> None:
+        self.recover()
+        self._thread = threading.Thread(target=self._loop, name="inflight-engine-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.config.stop_timeout_s)
+            if self._thread.is_alive():
+                log.warning("engine worker still busy after %.0f s; leaving it", self.config.stop_timeout_s)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        last_housekeeping = time.monotonic()
+        while not self._stop.is_set():
+            done = 0
+            try:
+                done = self.run_once()
+                if time.monotonic() - last_housekeeping >= self.config.housekeeping_interval_s:
+                    last_housekeeping = time.monotonic()
+                    self.housekeeping()
+            except Exception:  # a DB hiccup must not kill the only thread that serves requests
+                self._count("loop_errors")
+                log.exception("engine worker round failed; retrying")
+            if not done:
+                self._wake.wait(self.config.idle_poll_s)
+                self._wake.clear()
+
+    # -- one round ------------------------------------------------------------------------------------
+
+    def run_once(self) -> int:
+        """Schedule, execute and record one round; returns how many futures it settled."""
+        heads = [f for m in self.store.ready_model_ids() if (f := self.store.claim_next(m)) is not None]
+        for future in heads:
+            if future.request_type not in _PASSES:
+                self._settle(future, self._run_single)
+        passes: dict[str, list[Future]] = defaultdict(list)
+        for future in heads:
+            if future.request_type in _PASSES:
+                try:
+                    passes[self._base_model(future.model_id)].append(future)
+                except Exception as err:
+                    self._settle(future, err)
+        for base_model, group in passes.items():
+            self._run_passes(base_model, group)
+        samples = self.store.claim_unordered(RequestType.SAMPLE, self.config.max_sample_futures_per_batch)
+        if samples:
+            self._run_samples(samples)
+        return len(heads) + len(samples)
+
+    def housekeeping(self) -> None:
+        self.checkpoints.delete_expired()
+        older_than = utcnow() - timedelta(seconds=self.config.seq_gap_timeout_s)
+        for future in self.store.fail_stalled(older_than):
+            self._count("failed_seq_gap")
+            self.on_finished(future.request_id)
+        self._unload_finished_sessions()
+
+    def _settle(self, future: Future, work: Callable[[Future], bytes] | BaseException | bytes) -> None:
+        """Run `work` (or take its outcome) and record it; the one place failures become futures."""
+        outcome: bytes | BaseException
+        if callable(work):
+            try:
+                outcome = work(future)
+            except Exception as err:  # fault-tolerance boundary: one request's failure is its own
+                outcome = err
+        else:
+            outcome = work
+        try:
+            self._record(future, outcome)
+        except Exception:  # e.g. a result too large for its column: fail it rather than leave it running
+            log.exception("could not record the outcome of request %s", future.request_id)
+            self._count("failed_server")
+            self.store.fail(future.request_id, "internal error: the result could not be stored", "server")
+        self.on_finished(future.request_id)
+
+    def _record(self, future: Future, outcome: bytes | BaseException) -> None:
+        if isinstance(outcome, bytes):
+            self.store.complete(future.request_id, outcome)
+            self._count(f"done_{future.request_type}")
+        elif isinstance(outcome, UserError):
+            self.store.fail(future.request_id, str(outcome) or type(outcome).__name__, "user")
+            self._count("failed_user")
+        else:
+            clean = isinstance(outcome, ModelUnavailableError)
+            message = str(outcome) if clean else f"internal error: {type(outcome).__name__}: {outcome}"
+            if not clean:
+                log.error("request %s (%s) failed", future.request_id, future.request_type, exc_info=outcome)
+            self.store.fail(future.request_id, message, "server")
+            self._count("failed_server")
+
+    # -- requests that change a model or write files, one at a time -------------------------------------
+
+    def _run_single(self, future: Future) -> bytes:
+        handlers: dict[RequestType, Callable[[Future], bytes]] = {
+            RequestType.CREATE_MODEL: self._create_model,
+            RequestType.LOAD_WEIGHTS: self._load_weights,
+            RequestType.OPTIM_STEP: self._optim_step,
+            RequestType.SAVE_WEIGHTS: self._save_weights,
+            RequestType.SAVE_WEIGHTS_FOR_SAMPLER: self._save_weights_for_sampler,
+        }
+        handler = handlers.get(future.request_type)
+        if handler is None:
+            raise UserError(f"request type {future.request_type} is not served")
+        return handler(future)
+
+    def _create_model(self, future: Future) -> bytes:
+        request = CreateModelRequest.model_validate_json(future.request_payload)
+        if not self.engine.has_adapter(future.model_id):
+            try:
+                self.engine.create_adapter(
+                    future.model_id, request.base_model, jobs.lora_spec(request.lora_config)
+                )
+            except Exception:
+                self._set_model_status(future.model_id, "failed")
+                raise
+        self._set_model_status(future.model_id, "ready")
+        return CreateModelResponse(model_id=future.model_id).model_dump_json().encode()
+
+    def _load_weights(self, future: Future) -> bytes:
+        request = LoadWeightsRequest.model_validate_json(future.request_payload)
+        try:
+            checkpoint = self.checkpoints.get(request.path)
+            if request.optimizer and checkpoint.path.kind != "state":
+                raise UserError(
+                    f"{request.path} is a sampler checkpoint, which holds no optimizer state; load a "
+                    "weights/ checkpoint, or load without the optimizer"
+                )
+            self.engine.load_state(future.model_id, checkpoint.storage_dir, load_optimizer=request.optimizer)
+        except Exception:
+            if future.seq_id == 0:  # create-via-load: the model exists only through this request
+                self._set_model_status(future.model_id, "failed")
+            raise
+        self._set_model_status(future.model_id, "ready")
+        return LoadWeightsResponse(path=request.path, model_id=future.model_id).model_dump_json().encode()
+
+    def _optim_step(self, future: Future) -> bytes:
+        self._require_adapter(future.model_id)
+        step = jobs.optim_step(OptimStepRequest.model_validate_json(future.request_payload))
+        metrics = self.engine.optim_step(step)
+        return OptimStepResponse(metrics=metrics).model_dump_json().encode()
+
+    def _save_weights(self, future: Future) -> bytes:
+        self._require_adapter(future.model_id)
+        request = SaveWeightsRequest.model_validate_json(future.request_payload)
+        path = self._save(future, "state", request.path, request.ttl_seconds, request.overwrite)
+        return SaveWeightsResponse(path=path).model_dump_json().encode()
+
+    def _save_weights_for_sampler(self, future: Future) -> bytes:
+        self._require_adapter(future.model_id)
+        request = SaveWeightsForSamplerRequest.model_validate_json(future.request_payload)
+        if request.path is not None:
+            path = self._save(future, "sampler", request.path, request.ttl_seconds, overwrite=False)
+            return SaveWeightsForSamplerResponse(path=path).model_dump_json().encode()
+        if request.sampling_session_seq_id is None:
+            raise UserError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
+        session_id, _ = parse_model_id(future.model_id)
+        sampling_session_id = new_sampling_session_id(session_id, request.sampling_session_seq_id)
+        # An inflight client follows the model: every inflight save refreshes one shared key.
+        key = sampling_session_id if request.kind == "snapshot" else f"{future.model_id}:inflight"
+        self.engine.snapshot_sampler_weights(future.model_id, key)
+        self._keep_snapshot(future.model_id, key)
+        try:
+            with self.db.write() as session:
+                if session.get(SamplingSessionRow, sampling_session_id) is None:
+                    session.add(
+                        SamplingSessionRow(
+                            sampling_session_id=sampling_session_id,
+                            session_id=session_id,
+                            sampling_session_seq_id=request.sampling_session_seq_id,
+                            base_model=self._base_model(future.model_id),
+                            snapshot_key=key,
+                        )
+                    )
+        except IntegrityError:
+            raise UserError(
+                f"sampling_session_seq_id {request.sampling_session_seq_id} of session {session_id!r} is "
+                "already taken by another sampling session"
+            ) from None
+        return (
+            SaveWeightsForSamplerResponse(sampling_session_id=sampling_session_id).model_dump_json().encode()
+        )
+
+    def _keep_snapshot(self, model_id: str, key: str) -> None:
+        self._sampler_keys.add(key)
+        self._evicted.discard(key)  # an inflight key is refreshed in place
+        keys = self._snapshots[model_id]
+        if key not in keys:
+            keys.append(key)
+        while len(keys) > self.config.max_snapshots_per_model:
+            self._drop_snapshot(keys.popleft())
+
+    def _drop_snapshot(self, key: str) -> None:
+        self.engine.delete_sampler_weights(key)
+        self._sampler_keys.discard(key)
+        self._evicted.add(key)
+
+    def _save(
+        self, future: Future, kind: CheckpointKind, name: str | None, ttl_seconds: int | None, overwrite: bool
+    ) -> str:
+        path = checkpoint_path(future.model_id, kind, name or f"{future.seq_id:06d}")
+        if not overwrite and self.checkpoints.exists(path):
+            raise UserError(
+                f"checkpoint {path} already exists; save under another name or pass overwrite=True"
+            )
+        staged = self.checkpoints.staging_dir()
+        if kind == "state":
+            size = self.engine.save_state(future.model_id, staged, include_optimizer=True)
+        else:
+            size = self.engine.save_sampler_weights(future.model_id, staged)
+        self.checkpoints.commit(path, staged, size_bytes=size, ttl_seconds=ttl_seconds, overwrite=overwrite)
+        return str(path)
+
+    # -- batched passes and samples -------------------------------------------------------------------
+
+    def _run_passes(self, base_model: str, futures: list[Future]) -> None:
+        """All forward/forward_backward heads of one base model, whatever their adapter: one engine call."""
+        batch: list[tuple[Future, ForwardBackwardJob]] = []
+        for future in futures:
+            try:
+                self._require_adapter(future.model_id)
+                message = parse_forward_backward(future.request_payload)
+                vocab_size = self._limits(base_model).vocab_size
+                batch.append((future, forward_backward_job(message, vocab_size=vocab_size)))
+            except Exception as err:
+                self._settle(future, err)
+        if batch:
+            self._forward_backward(batch)
+
+    def _forward_backward(self, batch: list[tuple[Future, ForwardBackwardJob]]) -> None:
+        try:
+            results = self.engine.forward_backward([job for _, job in batch])
+        except UserError as err:
+            # Per-job errors should come back in their slot; if the engine refused the whole batch up
+            # front, run the jobs one by one so one bad request cannot fail its neighbours.
+            if len(batch) == 1:
+                self._settle(batch[0][0], err)
+            else:
+                self._count("batches_split")
+                for item in batch:
+                    self._forward_backward([item])
+            return
+        except Exception as err:
+            for future, _ in batch:
+                self._settle(future, err)
+            return
+        self._count("fwdbwd_batches")
+        self._count("fwdbwd_jobs", len(batch))
+        for (future, _), result in zip(batch, results, strict=True):
+            self._settle(
+                future,
+                result if isinstance(result, BaseException) else encode_forward_backward_output(result),
+            )
+
+    def _run_samples(self, futures: list[Future]) -> None:
+        by_base: dict[str, list[tuple[Future, SampleRequest, SampleJob]]] = defaultdict(list)
+        for future in futures:
+            try:
+                request = SampleRequest.model_validate_json(future.request_payload)
+                base_model, weights = self._sampler(request.sampling_session_id or "")
+                job = jobs.sample_job(
+                    request,
+                    base_model=base_model,
+                    weights=weights,
+                    limits=self._limits(base_model),
+                    default_max_tokens=self.config.default_max_tokens,
+                    max_num_samples=self.config.max_num_samples,
+                )
+            except Exception as err:
+                self._settle(future, err)
+                continue
+            by_base[base_model].append((future, request, job))
+        for items in by_base.values():
+            try:
+                outputs = self.engine.sample([job for _, _, job in items])
+            except Exception as err:
+                for future, _, _ in items:
+                    self._settle(future, err)
+                continue
+            self._count("sample_batches")
+            self._count("sample_jobs", len(items))
+            for (future, request, _), output in zip(items, outputs, strict=True):
+                if isinstance(output, BaseException):
+                    self._settle(future, output)
+                    continue
+                encoded = encode_sample_output(
+                    output,
+                    prompt_logprobs_last_n=request.prompt_logprobs_last_n,
+                    topk_prompt_logprobs=request.topk_prompt_logprobs,
+                )
+                self._settle(future, encoded)
+
+    def _sampler(self, sampling_session_id: str) -> tuple[str, str | None]:
+        """(base model, engine weights key or None for the bare base model) of a sampling session."""
+        with self.db.read() as session:
+            row = session.get(SamplingSessionRow, sampling_session_id)
+            if row is None:
+                raise UserError(f"unknown sampling_session_id {sampling_session_id!r}")
+            base_model, snapshot_key, model_path = row.base_model, row.snapshot_key, row.model_path
+        if snapshot_key is not None:
+            if snapshot_key in self._evicted:
+                raise UserError(
+                    f"sampling session {sampling_session_id!r} sampled a snapshot that was freed: the server "
+                    f"keeps the {self.config.max_snapshots_per_model} newest snapshots per model (and none "
+                    "after its session finishes); save a named sampler checkpoint to keep weights longer"
+                )
+            if snapshot_key not in self._sampler_keys:
+                raise ModelUnavailableError(
+                    f"sampling session {sampling_session_id!r} sampled an in-memory snapshot of the adapter "
+                    "that was lost when the server restarted; call save_weights_and_get_sampling_client again"
+                )
+            return base_model, snapshot_key
+        if model_path is not None:
+            if model_path not in self._sampler_keys:
+                checkpoint = self.checkpoints.get(model_path)
+                self.engine.load_sampler_weights(model_path, checkpoint.storage_dir)
+                self._sampler_keys.add(model_path)
+            return base_model, model_path
+        return base_model, None
+
+    # -- models ---------------------------------------------------------------------------------------
+
+    def _base_model(self, model_id: str) -> str:
+        if model_id not in self._base_of:
+            with self.db.read() as session:
+                row = session.get(ModelRow, model_id)
+                if row is None:
+                    raise ModelUnavailableError(f"model {model_id!r} has futures but no row")
+                self._base_of[model_id] = row.base_model
+        return self._base_of[model_id]
+
+    def _limits(self, base_model: str) -> jobs.BaseModelLimits:
+        if base_model not in self.limits:
+            raise UserError(
+                f"base model {base_model!r} is no longer served (the server restarted without it)"
+            )
+        return self.limits[base_model]
+
+    def _require_adapter(self, model_id: str) -> None:
+        if self.engine.has_adapter(model_id):
+            return
+        with self.db.read() as session:
+            row = session.get(ModelRow, model_id)
+            status = row.status if row is not None else "missing"
+        reasons = {
+            "lost": "lost its live weights when the server restarted; create a new training client from its "
+            "last checkpoint (create_training_client_from_state_with_optimizer) and resubmit",
+            "failed": "failed to be created (see its create_model or load_weights error)",
+            "unloaded": "was unloaded when its session finished",
+        }
+        raise ModelUnavailableError(f"model {model_id!r} {reasons.get(status, 'has no live adapter')}")
+
+    def _set_model_status(self, model_id: str, status: str) -> None:
+        with self.db.write() as session:
+            row = session.get(ModelRow, model_id)
+            if row is not None:
+                row.status = status
+
+    def _unload_finished_sessions(self) -> None:
+        with self.db.read() as session:
+            model_ids = session.scalars(
+                select(ModelRow.model_id)
+                .join(SessionRow, SessionRow.session_id == ModelRow.session_id)
+                .where(SessionRow.status == "finished", ModelRow.status == "ready")
+            ).all()
+        for model_id in model_ids:
+            if self.store.unfinished_count(model_id) == 0 and self.engine.has_adapter(model_id):
+                self.engine.delete_adapter(model_id)
+                for key in self._snapshots.pop(model_id, ()):
+                    self._drop_snapshot(key)
+                self._set_model_status(model_id, "unloaded")
+                self._count("adapters_unloaded")

@@ -1,0 +1,613 @@
+"""The service's compute engine (`inflight.api.engine`) on the tiny model, against naive references: the bare
+Hugging Face model for log-probs and greedy decoding, one-by-one runs for the batched multi-adapter pass,
+Tinker's loss formulas written out per token (reference/tinker-api.md §7.3), and torch.optim.AdamW.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from inflight.api.engine import (
+    Datum,
+    ForwardBackwardJob,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStep,
+    SampleJob,
+    SampleOutput,
+    ServiceEngine,
+    ServiceEngineConfig,
+)
+from inflight.errors import UserError
+from inflight.models import load_model
+
+VOCAB = 2048
+EOS = 2
+
+
+def _engine(model_dir: Path, **config) -> ServiceEngine:
+    return ServiceEngine({"tiny": str(model_dir)}, max_rank=32, config=ServiceEngineConfig(seed=0, **config))
+
+
+@pytest.fixture
+def engine(tiny_model_dir: Path) -> ServiceEngine:
+    return _engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Path):
+    return load_model(tiny_model_dir).eval()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _datum(tokens: list[int], **inputs: list[float]) -> Datum:
+    """Tinker's shifted datum: input tokens[:-1], target tokens[1:], other inputs one per target."""
+    return Datum(input_tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+def _ok(result: ForwardBackwardOutput | SampleOutput | Exception):
+    assert not isinstance(result, Exception), result
+    return result
+
+
+def _forward_logprobs(engine: ServiceEngine, model_id: str, tokens: list[int]) -> list[float]:
+    out = engine.forward_backward(
+        [ForwardBackwardJob(model_id, [_datum(tokens)], "cross_entropy", backward=False)]
+    )
+    return _ok(out[0]).loss_fn_outputs[0]["logprobs"]
+
+
+def _hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+
+
+def _train(engine: ServiceEngine, model_id: str, steps: int, lr: float = 0.02, seed: int = 0) -> None:
+    for step in range(steps):
+        data = [_datum(_tokens(12, seed * 100 + step)), _datum(_tokens(7, seed * 100 + step + 50))]
+        _ok(engine.forward_backward([ForwardBackwardJob(model_id, data, "cross_entropy")])[0])
+        engine.optim_step(OptimStep(model_id, learning_rate=lr))
+
+
+def _rl_datum(tokens: list[int], seed: int, prompt: int = 3) -> Datum:
+    """An RL datum like the cookbook's: prompt positions carry A = 0 and q = 0."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(tokens) - 1
+    q = (-3 - torch.rand(n, generator=g) * 5).tolist()
+    a = (torch.randn(n, generator=g)).tolist()
+    q[:prompt], a[:prompt] = [0.0] * prompt, [0.0] * prompt
+    return _datum(tokens, logprobs=q, advantages=a)
+
+
+# ---- forward / backward --------------------------------------------------------------------------------
+
+
+def test_fresh_adapter_equals_the_base_model(engine, hf_model):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=1, train_unembed=True))
+    tokens = _tokens(20, seed=1)
+    torch.testing.assert_close(
+        torch.tensor(_forward_logprobs(engine, "m", tokens)),
+        _hf_logprobs(hf_model, tokens),
+        rtol=0,
+        atol=1e-5,
+    )
+
+
+def _three_adapters(engine: ServiceEngine) -> None:
+    engine.create_adapter("a", "tiny", LoraSpec(rank=8, seed=1))
+    engine.create_adapter("b", "tiny", LoraSpec(rank=4, seed=2, train_unembed=True))
+    engine.create_adapter("c", "tiny", LoraSpec(rank=16, seed=3, train_mlp=False))
+    for i, model_id in enumerate("abc"):  # distinct nonzero adapters (a fresh one has B = 0)
+        _train(engine, model_id, steps=2, seed=i)
+
+
+def _mixed_jobs() -> list[ForwardBackwardJob]:
+    return [
+        ForwardBackwardJob(
+            "a", [_datum(_tokens(15, 1)), _datum(_tokens(6, 2), weights=[0.5, 0, 1, 2, -1])], "cross_entropy"
+        ),
+        ForwardBackwardJob("b", [_rl_datum(_tokens(11, 3), seed=3)], "importance_sampling"),
+        ForwardBackwardJob("c", [_rl_datum(_tokens(9, 4), seed=4), _rl_datum(_tokens(13, 5), seed=5)], "ppo"),
+        ForwardBackwardJob("a", [_rl_datum(_tokens(10, 6), seed=6)], "cispo", {"clip_high_threshold": 2.0}),
+        ForwardBackwardJob("b", [_datum(_tokens(8, 7))], "cross_entropy", backward=False),
+    ]
+
+
+def test_batched_multi_adapter_pass_equals_one_by_one_runs(tiny_model_dir):
+    """One call with every job (several adapters, ranks, losses, a forward-only job) gives the same outputs
+    and accumulated gradients as one call per job on an identical engine whose micro-batches hold a
+    single datum each."""
+    batched, serial = _engine(tiny_model_dir), _engine(tiny_model_dir, max_batch_tokens=1)
+    for engine in (batched, serial):
+        _three_adapters(engine)
+    jobs = _mixed_jobs()
+    together = [_ok(r) for r in batched.forward_backward(jobs)]
+    alone = [_ok(serial.forward_backward([job])[0]) for job in jobs]
+    for one, other in zip(together, alone, strict=True):
+        assert one.metrics.keys() == other.metrics.keys()
+        for key in one.metrics:
+            assert one.metrics[key] == pytest.approx(other.metrics[key], rel=1e-4, abs=1e-5), key
+        for d1, d2 in zip(one.loss_fn_outputs, other.loss_fn_outputs, strict=True):
+            for key in ("logprobs", "elementwise_loss"):
+                torch.testing.assert_close(torch.tensor(d1[key]), torch.tensor(d2[key]), rtol=1e-4, atol=1e-5)
+    for model_id in "abc":
+        g1, g2 = batched.adapter_gradients(model_id), serial.adapter_gradients(model_id)
+        assert sum(float(g.abs().sum()) for g in g1.values()) > 0
+        for key in g1:
+            # float32 sums in another order: tolerances relative to the gradient's own scale
+            scale = float(g2[key].abs().max())
+            torch.testing.assert_close(g1[key], g2[key], rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_losses_are_sums_without_normalisation(engine):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+    _train(engine, "m", steps=1)
+    datum = _datum(_tokens(10, 0))
+    once = _ok(engine.forward_backward([ForwardBackwardJob("m", [datum], "cross_entropy")])[0])
+    grads_once = engine.adapter_gradients("m")
+    engine.optim_step(OptimStep("m", learning_rate=0.0))  # zeroes the gradients, weights unchanged
+    twice = _ok(engine.forward_backward([ForwardBackwardJob("m", [datum, datum], "cross_entropy")])[0])
+    assert twice.metrics["loss:sum"] == pytest.approx(2 * once.metrics["loss:sum"], rel=1e-6)
+    for key, grad in engine.adapter_gradients("m").items():
+        torch.testing.assert_close(grad, 2 * grads_once[key], rtol=1e-5, atol=1e-7)
+
+
+def test_forward_only_touches_no_gradient(engine):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+    _train(engine, "m", steps=1)
+    out = engine.forward_backward(
+        [ForwardBackwardJob("m", [_datum(_tokens(9, 1))], "cross_entropy", backward=False)]
+    )
+    assert _ok(out[0]).metrics["loss:sum"] > 0
+    assert all(torch.count_nonzero(g) == 0 for g in engine.adapter_gradients("m").values())
+
+
+def _ratio_inputs(lp: list[float]) -> tuple[list[float], list[float]]:
+    """Behaviour logprobs q giving ratios r = exp(lp - q) from 0.3 to 3 (inside and outside every clip range
+    tested), and advantages of both signs."""
+    ratios = [0.3, 0.7, 0.85, 1.0, 1.1, 1.3, 1.8, 3.0]
+    q = [x - math.log(ratios[i % len(ratios)]) for i, x in enumerate(lp)]
+    a = [(1.0 if i % 2 else -1.5) * (1 + i / 10) for i in range(len(lp))]
+    return q, a
+
+
+def _hand_loss(
+    loss_fn: str, lp: list[float], q: list[float], a: list[float], w: list[float], lo: float, hi: float
+):
+    """Tinker's per-token losses, written out (reference/tinker-api.md §7.3)."""
+    out = []
+    for lp_i, q_i, a_i, w_i in zip(lp, q, a, w, strict=True):
+        r = math.exp(lp_i - q_i)
+        if loss_fn == "cross_entropy":
+            out.append(-w_i * lp_i)
+        elif loss_fn == "importance_sampling":
+            out.append(-w_i * r * a_i)
+        elif loss_fn == "ppo":
+            out.append(-w_i * min(r * a_i, min(max(r, lo), hi) * a_i))
+        else:  # cispo
+            out.append(-w_i * min(max(r, lo), hi) * lp_i * a_i)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "config", "lo", "hi"),
+    [
+        ("cross_entropy", None, 0, 0),
+        ("importance_sampling", None, 0, 0),
+        ("ppo", None, 0.8, 1.2),
+        ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, 0.5, 1.5),
+        ("cispo", None, 0.0, 4.0),
+        ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.2}, 0.9, 1.2),
+    ],
+)
+def test_loss_values_match_the_tinker_formulas(engine, loss_fn, config, lo, hi):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+    _train(engine, "m", steps=1)
+    data_tokens = [_tokens(17, 11), _tokens(9, 12)]
+    expected_total, data, hand = 0.0, [], []
+    for tokens in data_tokens:
+        lp = _forward_logprobs(engine, "m", tokens)
+        q, a = _ratio_inputs(lp)
+        w = [1.0, 0.5, 2.0, 0.0] * (len(lp) // 4) + [1.0] * (len(lp) % 4)
+        inputs = (
+            {"weights": w} if loss_fn == "cross_entropy" else {"logprobs": q, "advantages": a, "weights": w}
+        )
+        data.append(_datum(tokens, **inputs))
+        per_token = _hand_loss(loss_fn, lp, q, a, w, lo, hi)
+        hand.append(per_token)
+        expected_total += sum(per_token)
+    out = _ok(engine.forward_backward([ForwardBackwardJob("m", data, loss_fn, config)])[0])
+    assert out.metrics["loss:sum"] == pytest.approx(expected_total, rel=1e-5, abs=1e-5)
+    for datum_out, per_token in zip(out.loss_fn_outputs, hand, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(datum_out["elementwise_loss"]), torch.tensor(per_token), rtol=1e-5, atol=1e-5
+        )
+    assert all(":" in key and key.count(":") == 1 for key in out.metrics)
+
+
+def test_optim_step_equals_torch_adamw(engine):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+    params = {k: v.clone().requires_grad_() for k, v in engine.adapter_weights("m").items()}
+    reference = torch.optim.AdamW(list(params.values()), lr=0.0)
+    steps = [
+        OptimStep(
+            "m", learning_rate=0.01, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.5
+        ),
+        OptimStep("m", learning_rate=0.003, beta1=0.8, beta2=0.99, eps=1e-12, weight_decay=0.0),
+    ]
+    for i, step in enumerate(steps):
+        _ok(engine.forward_backward([ForwardBackwardJob("m", [_datum(_tokens(14, i))], "cross_entropy")])[0])
+        grads = engine.adapter_gradients("m")
+        metrics = engine.optim_step(step)
+        for key, p in params.items():
+            p.grad = grads[key].clone()
+        norm = torch.nn.utils.clip_grad_norm_(list(params.values()), step.grad_clip_norm or math.inf)
+        assert metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-5)
+        for group in reference.param_groups:
+            group.update(
+                lr=step.learning_rate,
+                betas=(step.beta1, step.beta2),
+                eps=step.eps,
+                weight_decay=step.weight_decay,
+            )
+        reference.step()
+        for key, value in engine.adapter_weights("m").items():
+            torch.testing.assert_close(value, params[key].detach(), rtol=1e-6, atol=1e-8)
+        assert all(torch.count_nonzero(g) == 0 for g in engine.adapter_gradients("m").values())
+    with pytest.raises(UserError, match="learning_rate"):
+        engine.optim_step(OptimStep("m", learning_rate=-1.0))
+    with pytest.raises(UserError, match="unknown model"):
+        engine.optim_step(OptimStep("nope", learning_rate=0.1))
+
+
+def test_bad_jobs_fail_alone_with_user_errors(engine):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+    good = _datum(_tokens(8, 0))
+    jobs = [
+        ForwardBackwardJob("m", [good], "cross_entropy"),
+        ForwardBackwardJob("m", [good], "dro"),
+        ForwardBackwardJob("m", [_datum([5, 6, VOCAB + 3])], "cross_entropy"),
+        ForwardBackwardJob("m", [Datum([5, 6, 7], {"target_tokens": [6, 7]})], "cross_entropy"),
+        ForwardBackwardJob("m", [good], "ppo"),  # no logprobs/advantages
+        ForwardBackwardJob("m", [good], "ppo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0}),
+        ForwardBackwardJob("m", [good], "cross_entropy", {"clip_low_threshold": 0.5}),
+        ForwardBackwardJob("nope", [good], "cross_entropy"),
+        ForwardBackwardJob("m", [_datum([5, 6, 7], weights=[1.0, math.nan])], "cross_entropy"),
+        ForwardBackwardJob("m", [good], "importance_sampling", None, backward=False),
+    ]
+    results = engine.forward_backward(jobs)
+    messages = [
+        None,
+        "unsupported loss_fn 'dro'; this server supports: cross_entropy, importance_sampling, ppo, cispo",
+        "not a token id",
+        "has 2 values but model_input has 3 tokens",
+        "needs loss_fn_inputs ['logprobs', 'advantages']",
+        "clip_low_threshold <= clip_high_threshold",
+        "takes no config",
+        "unknown model 'nope'",
+        "is not finite",
+        "needs loss_fn_inputs",
+    ]
+    for result, message in zip(results, messages, strict=True):
+        if message is None:
+            assert _ok(result).metrics["loss:sum"] > 0
+        else:
+            assert isinstance(result, UserError) and message in str(result), (message, result)
+    alone = _ok(engine.forward_backward([jobs[0]])[0])
+    assert alone.metrics["loss:sum"] == pytest.approx(_ok(results[0]).metrics["loss:sum"], rel=1e-5)
+
+
+# ---- optimizer state and checkpoints --------------------------------------------------------------------
+
+
+def _same_weights(e1: ServiceEngine, m1: str, e2: ServiceEngine, m2: str) -> bool:
+    w1, w2 = e1.adapter_weights(m1), e2.adapter_weights(m2)
+    return w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def _one_step(engine: ServiceEngine, model_id: str) -> None:
+    data = [_datum(_tokens(13, 99))]
+    _ok(engine.forward_backward([ForwardBackwardJob(model_id, data, "cross_entropy")])[0])
+    engine.optim_step(OptimStep(model_id, learning_rate=0.01, weight_decay=0.01))
+
+
+def test_save_state_and_load_state_round_trip_with_optimizer(engine, tiny_model_dir, tmp_path):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=3, train_unembed=True))
+    _train(engine, "m", steps=3)
+    written = engine.save_state("m", tmp_path / "ckpt")
+    files = {p.name: p for p in (tmp_path / "ckpt").iterdir()}
+    assert set(files) == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "optimizer.safetensors",
+        "inflight_state.json",
+    }
+    assert written == sum(p.stat().st_size for p in files.values())
+    config = json.loads(files["adapter_config.json"].read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 8, 32)
+    assert "lm_head" in config["target_modules"] and "q_proj" in config["target_modules"]
+    assert not list(tmp_path.glob(".ckpt*"))  # no temp dir left behind
+
+    other = _engine(tiny_model_dir)
+    other.load_state("copy", tmp_path / "ckpt", load_optimizer=True)  # create-via-load
+    assert other.has_adapter("copy") and _same_weights(engine, "m", other, "copy")
+    tokens = _tokens(16, 5)
+    assert _forward_logprobs(engine, "m", tokens) == _forward_logprobs(other, "copy", tokens)
+    _one_step(engine, "m")
+    _one_step(other, "copy")
+    assert _same_weights(engine, "m", other, "copy")  # same AdamW moments and step count
+
+
+def test_load_state_without_optimizer_starts_fresh_moments(engine, tiny_model_dir, tmp_path):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=1))
+    _train(engine, "m", steps=3)
+    engine.save_state("m", tmp_path / "ckpt")
+    weights_only = _engine(tiny_model_dir)
+    weights_only.load_state("w", tmp_path / "ckpt", load_optimizer=False)
+    assert _same_weights(engine, "m", weights_only, "w")
+    # A fresh adapter given the same weights through a sampler checkpoint has fresh moments too.
+    engine.save_sampler_weights("m", tmp_path / "sampler")
+    fresh = _engine(tiny_model_dir)
+    fresh.load_state("f", tmp_path / "sampler", load_optimizer=False)
+    _one_step(weights_only, "w")
+    _one_step(fresh, "f")
+    _one_step(engine, "m")
+    assert _same_weights(weights_only, "w", fresh, "f")
+    assert not _same_weights(weights_only, "w", engine, "m")  # the restored moments would have differed
+
+    with pytest.raises(UserError, match="no optimizer state"):
+        fresh.load_state("g", tmp_path / "sampler", load_optimizer=True)
+    engine.create_adapter("rank8", "tiny", LoraSpec(rank=8))
+    with pytest.raises(UserError, match="adapter of"):
+        engine.load_state("rank8", tmp_path / "ckpt", load_optimizer=False)
+    with pytest.raises(UserError, match="does not exist"):
+        engine.load_state("x", tmp_path / "missing", load_optimizer=False)
+    assert not engine.has_adapter("x")
+
+
+def test_save_state_before_any_step_and_overwrite(engine, tmp_path):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=2, seed=0))
+    engine.save_state("m", tmp_path / "ckpt")
+    engine.load_state("m", tmp_path / "ckpt", load_optimizer=True)  # no moments yet: a fresh optimizer
+    _train(engine, "m", steps=1)
+    engine.save_state("m", tmp_path / "ckpt")  # replaces the directory
+    other = "m2"
+    engine.load_state(other, tmp_path / "ckpt", load_optimizer=True)
+    assert _same_weights(engine, "m", engine, other)
+
+
+# ---- sampling -------------------------------------------------------------------------------------------
+
+
+def _sample(engine: ServiceEngine, *jobs: SampleJob) -> list[SampleOutput]:
+    return [_ok(r) for r in engine.sample(list(jobs))]
+
+
+def _greedy_reference(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    tokens, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            logp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0, -1], -1)
+            tokens.append(int(logp.argmax()))
+            logprobs.append(float(logp.max()))
+    return tokens[len(prompt) :], logprobs
+
+
+def test_greedy_sampling_equals_the_naive_argmax_loop(engine, hf_model):
+    prompt = _tokens(6, 3)
+    expected, expected_lps = _greedy_reference(hf_model, prompt, steps=12)
+    out = _sample(
+        engine,
+        SampleJob(None, "tiny", prompt, num_samples=2, max_tokens=12, temperature=0.0, stop=[]),
+        SampleJob(None, "tiny", prompt, max_tokens=12, temperature=1.0, top_k=1, seed=3, stop=[]),
+    )
+    for seq in [*out[0].sequences, *out[1].sequences]:  # top-k 1 leaves the argmax alone
+        assert seq.tokens == expected and seq.stop_reason == "length"
+        # Reported logprobs are the raw model distribution's, whatever the temperature or truncation.
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(expected_lps), rtol=0, atol=1e-5)
+
+
+def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(engine):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=1))
+    engine.create_adapter("n", "tiny", LoraSpec(rank=4, seed=2))
+    _train(engine, "m", steps=2)
+    _train(engine, "n", steps=2, seed=1)
+    job = SampleJob("m", "tiny", _tokens(5, 0), num_samples=3, max_tokens=10, seed=7, stop=[])
+    alone = _sample(engine, job)[0]
+    again = _sample(engine, job)[0]
+    crowd = _sample(
+        engine,
+        SampleJob("n", "tiny", _tokens(11, 1), num_samples=4, max_tokens=6),
+        job,
+        SampleJob(None, "tiny", _tokens(2, 2), num_samples=2, max_tokens=14, temperature=0.7, top_k=50),
+    )[1]
+    tokens = [s.tokens for s in alone.sequences]
+    assert tokens == [s.tokens for s in again.sequences] == [s.tokens for s in crowd.sequences]
+    assert len({tuple(t) for t in tokens}) == 3  # seed + i: the samples differ from each other
+    for i in range(3):  # sample i is the single sample of seed + i
+        single = SampleJob("m", "tiny", job.prompt_tokens, max_tokens=10, seed=7 + i, stop=[])
+        assert _sample(engine, single)[0].sequences[0].tokens == tokens[i]
+    # Decoding in chunks of at most 2 sequences (max_sample_rows) changes nothing either.
+    engine.config.max_sample_rows = 2
+    chunked = _sample(engine, SampleJob(None, "tiny", [5], max_tokens=3), job)[1]
+    assert [s.tokens for s in chunked.sequences] == tokens
+
+
+def test_sampled_and_prompt_logprobs_equal_the_training_forward(engine):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=1, train_unembed=True))
+    _train(engine, "m", steps=2)
+    prompt = _tokens(7, 4)
+    out = _sample(
+        engine,
+        SampleJob(
+            "m", "tiny", prompt, max_tokens=9, seed=1, stop=[], prompt_logprobs=True, topk_prompt_logprobs=3
+        ),
+    )[0]
+    seq = out.sequences[0]
+    forward = _forward_logprobs(engine, "m", prompt + seq.tokens)  # forward[i] scores token i + 1
+    torch.testing.assert_close(
+        torch.tensor(seq.logprobs), torch.tensor(forward[len(prompt) - 1 :]), rtol=0, atol=1e-4
+    )
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    torch.testing.assert_close(
+        torch.tensor(out.prompt_logprobs[1:]), torch.tensor(forward[: len(prompt) - 1]), rtol=0, atol=1e-4
+    )
+    assert out.topk_prompt_logprobs is not None and out.topk_prompt_logprobs[0] is None
+    for top, token, lp in zip(out.topk_prompt_logprobs[1:], prompt[1:], out.prompt_logprobs[1:], strict=True):
+        assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and top[0][1] >= lp - 1e-6
+        assert all(value == pytest.approx(lp, abs=1e-6) for i, value in top if i == token)
+
+
+def test_stop_tokens_stop_strings_and_never_stop(engine, hf_model, tiny_model_dir):
+    prompt = _tokens(4, 8)
+    greedy, _ = _greedy_reference(hf_model, prompt, steps=16)
+    cut = next(i for i in range(3, 16) if greedy[i] not in greedy[:i])
+    by_token = _sample(
+        engine, SampleJob(None, "tiny", prompt, max_tokens=16, temperature=0, stop=[greedy[cut]])
+    )
+    assert by_token[0].sequences[0].tokens == greedy[: cut + 1]  # the stop token is kept
+    assert by_token[0].sequences[0].stop_reason == "stop"
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = tokenizer.decode(greedy)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    first = next(j for j in range(len(greedy)) if stop in tokenizer.decode(greedy[: j + 1]))
+    by_string = _sample(engine, SampleJob(None, "tiny", prompt, max_tokens=16, temperature=0, stop=[stop]))
+    seq = by_string[0].sequences[0]
+    assert (seq.tokens, seq.stop_reason) == (greedy[: first + 1], "stop")
+    assert stop in tokenizer.decode(seq.tokens) and stop not in tokenizer.decode(seq.tokens[:-1])
+
+    never = _sample(engine, SampleJob(None, "tiny", prompt, max_tokens=16, temperature=0, stop=[]))
+    assert (never[0].sequences[0].tokens, never[0].sequences[0].stop_reason) == (greedy, "length")
+
+
+def test_a_trained_adapter_learns_to_stop_at_eos(engine):
+    """Training through the engine works end to end: cross_entropy on "prompt -> EOS" makes greedy sampling
+    end at EOS when stop is None, and run on past it when stop is []."""
+    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=0))
+    prompt = _tokens(5, 9)
+    datum = _datum([*prompt, EOS], weights=[0.0] * (len(prompt) - 1) + [1.0])
+    for _ in range(30):
+        _ok(engine.forward_backward([ForwardBackwardJob("m", [datum], "cross_entropy")])[0])
+        engine.optim_step(OptimStep("m", learning_rate=0.02))
+    stops = _sample(engine, SampleJob("m", "tiny", prompt, max_tokens=8, temperature=0))[0].sequences[0]
+    assert (stops.tokens, stops.stop_reason) == ([EOS], "stop")
+    never = _sample(engine, SampleJob("m", "tiny", prompt, max_tokens=8, temperature=0, stop=[]))[0]
+    assert len(never.sequences[0].tokens) == 8 and never.sequences[0].tokens[0] == EOS
+    base = _sample(engine, SampleJob(None, "tiny", prompt, max_tokens=1, temperature=0))[0]
+    assert base.sequences[0].tokens != [EOS]  # the base model does not: the adapter made the difference
+
+
+def test_sampler_checkpoints_and_snapshots_are_frozen(engine, tiny_model_dir, tmp_path):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=1))
+    _train(engine, "m", steps=2)
+    prompt = _tokens(9, 6)
+    job = SampleJob("m", "tiny", prompt, max_tokens=1, prompt_logprobs=True)
+    before = _sample(engine, job)[0].prompt_logprobs
+    engine.snapshot_sampler_weights("m", "snap")
+    engine.save_sampler_weights("m", tmp_path / "sampler")
+    _train(engine, "m", steps=1, seed=5)
+    other = _engine(tiny_model_dir)
+    other.load_sampler_weights("disk", tmp_path / "sampler")
+
+    def prompt_lps(e: ServiceEngine, weights: str) -> list:
+        return _sample(e, SampleJob(weights, "tiny", prompt, max_tokens=1, prompt_logprobs=True))[
+            0
+        ].prompt_logprobs
+
+    assert prompt_lps(engine, "snap") == before
+    torch.testing.assert_close(
+        torch.tensor(prompt_lps(other, "disk")[1:]), torch.tensor(before[1:]), rtol=0, atol=1e-6
+    )
+    assert prompt_lps(engine, "m") != before  # the live adapter moved on
+    engine.delete_adapter("m")
+    assert not engine.has_adapter("m") and prompt_lps(engine, "snap") == before
+    engine.delete_sampler_weights("snap")
+    assert isinstance(engine.sample([SampleJob("snap", "tiny", prompt)])[0], UserError)
+
+
+def test_bad_sampling_jobs_fail_alone(engine):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+    good = SampleJob("m", "tiny", [5, 6, 7], max_tokens=3)
+    jobs = [
+        good,
+        SampleJob("m", "tiny", [5, VOCAB], max_tokens=3),
+        SampleJob("nope", "tiny", [5], max_tokens=3),
+        SampleJob("m", "other", [5], max_tokens=3),
+        SampleJob("m", "tiny", [], max_tokens=3),
+        SampleJob("m", "tiny", [5], max_tokens=0),
+        SampleJob("m", "tiny", [5], temperature=-1.0),
+        SampleJob("m", "tiny", [5], stop=[1, "x"]),  # type: ignore[list-item]
+        SampleJob("m", "tiny", [5], stop=[VOCAB + 1]),
+        SampleJob("m", "tiny", [5] * 2048),
+    ]
+    results = engine.sample(jobs)
+    messages = [
+        None,
+        "not a token id",
+        "unknown sampling weights",
+        "unknown base model",
+        "no tokens",
+        "max_tokens",
+        "temperature",
+        "list of strings or a list of token ids",
+        "stop token ids",
+        "context",
+    ]
+    for result, message in zip(results, messages, strict=True):
+        if message is None:
+            assert len(_ok(result).sequences[0].tokens) == 3
+        else:
+            assert isinstance(result, UserError) and message in str(result), (message, result)
+
+
+# ---- adapters and base models ---------------------------------------------------------------------------
+
+
+def test_adapter_lifecycle_and_base_model_info(engine, tiny_model_dir):
+    assert engine.base_model_names() == ["tiny"]
+    info = engine.model_info("tiny")
+    assert (info["vocab_size"], info["max_context"], info["eos_token_ids"]) == (VOCAB, 2048, [EOS])
+    tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer_dir("tiny"))
+    assert tokenizer.decode(tokenizer.encode("hit or stand")) == "hit or stand"
+    engine.create_adapter("m", "tiny", LoraSpec(rank=32))
+    with pytest.raises(UserError, match="already exists"):
+        engine.create_adapter("m", "tiny", LoraSpec())
+    with pytest.raises(UserError, match="between 1 and 32"):
+        engine.create_adapter("big", "tiny", LoraSpec(rank=64))
+    with pytest.raises(UserError, match="unknown base model"):
+        engine.create_adapter("x", "nope", LoraSpec())
+    with pytest.raises(UserError, match="must train something"):
+        engine.create_adapter("x", "tiny", LoraSpec(train_attn=False, train_mlp=False))
+    engine.delete_adapter("m")
+    engine.delete_adapter("m")  # idempotent
+    assert not engine.has_adapter("m")
+    with pytest.raises(UserError, match="unknown model"):
+        engine.save_state("m", Path("/nonexistent"))
+
+
+def test_a_fault_in_the_batched_pass_fails_its_jobs_not_the_engine(engine, monkeypatch):
+    import inflight.api.engine as engine_module
+
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+    job = ForwardBackwardJob("m", [_datum(_tokens(6, 0))], "cross_entropy")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fell over")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "run_forward_backward", broken)
+        results = engine.forward_backward([job, job, ForwardBackwardJob("m", [], "cross_entropy")])
+    assert [type(r) for r in results] == [RuntimeError, RuntimeError, UserError]
+    assert engine.counters["failed_batches"] == 1
+    assert _ok(engine.forward_backward([job])[0]).metrics["loss:sum"] > 0  # and the next call works
