@@ -125,6 +125,8 @@ def blackjack(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.mode = mode
         run_cfg.pipeline.max_staleness_steps = args.max_staleness
+        # Same work on both sides: uninformative groups are skipped, not re-drawn (the sync loop's rule).
+        run_cfg.pipeline.active_sampling = False
         torch.set_num_threads(2)
         parts = LoopParts(
             build_engine(run_cfg, model, tokenizer),
