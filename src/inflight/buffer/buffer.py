@@ -5,7 +5,7 @@ It sits between rollout workers (asyncio thread: `admit`, `cancel`, `put`) and t
 
 Staleness bound by admission (k = max_staleness_steps, B = groups_per_step)
 ---------------------------------------------------------------------------
-Words: a prompt *admitted* while the engine runs version w yields tokens with versions >= w. The buffer
+A prompt *admitted* while the engine runs version w yields tokens with versions >= w. The buffer
 tracks `t`, the trainer version the next batch will be trained at (the largest trainer version it has
 been told, and one past the last batch it handed out), and U, the groups not yet consumed (in flight +
 buffered). Whatever order groups finish and are consumed in, each batch takes B of them, so every one of
@@ -23,7 +23,9 @@ Because `put` does not say which admission a group came from, in-flight floors a
 `put`/`cancel` remove the largest: the remaining floors are then never above the true ones, so (I) on
 them implies (I) on the truth. k = 0 is the synchronous loop: B prompts at version v, one batch, then
 nothing is admitted until the engine runs v + 1. k = None lifts the bound (then only
-`max_buffered_groups` limits how far generation runs ahead).
+`max_buffered_groups` limits how far generation runs ahead). Should a caller break (I) anyway (a trainer
+version that jumps, groups recovered after a restart without admission), groups the bound no longer
+allows are dropped when they arrive or fall due, and counted as `stale_dropped`.
 """
 
 from __future__ import annotations
