@@ -15,12 +15,11 @@ import threading
 from dataclasses import asdict
 
 import pytest
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from inflight.buffer import RolloutBuffer, importance_metrics, lag_histogram
+from inflight.buffer import RolloutBuffer, lag_histogram
 from inflight.types import Rollout, RolloutGroup
 
 
@@ -422,37 +421,3 @@ def test_lag_histogram_fractions_sum_to_one_and_reject_negative_lags() -> None:
     assert m["lag_steps_frac/16+"] == 2 / 6
     with pytest.raises(ValueError, match="negative lag"):
         lag_histogram([1, -1])
-
-
-def test_importance_metrics_match_a_naive_reference() -> None:
-    gen = torch.Generator().manual_seed(0)
-    log_ratio = torch.randn(4, 9, generator=gen) * 0.7
-    mask = torch.rand(4, 9, generator=gen) > 0.3
-    m = importance_metrics(log_ratio, mask)
-    weights = [
-        math.exp(x)
-        for x, keep in zip(log_ratio.flatten().tolist(), mask.flatten().tolist(), strict=True)
-        if keep
-    ]
-    n = len(weights)
-    assert math.isclose(m["ess"], sum(weights) ** 2 / (n * sum(w * w for w in weights)), rel_tol=1e-12)
-    assert math.isclose(m["is_weight_mean"], sum(weights) / n, rel_tol=1e-12)
-    assert m["is_weight_max"] == pytest.approx(max(weights)) and m["is_weight_min"] == pytest.approx(
-        min(weights)
-    )
-    fractions = {key: v for key, v in m.items() if key.startswith("is_weight_frac/")}
-    assert math.isclose(sum(fractions.values()), 1.0)
-    assert fractions["is_weight_frac/0-0.5"] == sum(w < 0.5 for w in weights) / n
-    assert fractions["is_weight_frac/2-inf"] == sum(w >= 2 for w in weights) / n
-
-
-def test_importance_metrics_edge_cases() -> None:
-    on_policy = importance_metrics(torch.full((5,), 0.3), torch.ones(5, dtype=torch.bool))
-    assert math.isclose(on_policy["ess"], 1.0)
-    # One weight of e^1000 would overflow float64 directly; the log-space ESS is 1/N as it should be.
-    huge = importance_metrics(torch.tensor([1000.0, 0.0, 0.0, 0.0]), torch.ones(4))
-    assert math.isclose(huge["ess"], 0.25)
-    empty = importance_metrics(torch.zeros(3), torch.zeros(3))
-    assert empty["ess"] == 0.0
-    with pytest.raises(ValueError, match="shape"):
-        importance_metrics(torch.zeros(3), torch.zeros(4))

@@ -245,3 +245,23 @@ def test_kl_estimators() -> None:
     for name in ("k1", "k3"):
         estimate = KL_ESTIMATORS[name](pi.log()[samples], ref_probs.log()[samples]).mean()
         torch.testing.assert_close(estimate, exact, atol=5e-3, rtol=0.0)
+
+
+def test_importance_weight_histogram_matches_a_naive_count() -> None:
+    from inflight.losses.importance import IS_HISTOGRAM_EDGES, off_policy_stats
+
+    torch.manual_seed(3)
+    lp = torch.randn(4, 9) * 0.6
+    q = torch.randn(4, 9) * 0.6
+    active = torch.rand(4, 9) > 0.3
+    stats = off_policy_stats(lp, q, active)
+    ratios = [
+        math.exp(a - b)
+        for a, b, m in zip(lp.flatten().tolist(), q.flatten().tolist(), active.flatten(), strict=True)
+        if m
+    ]
+    edges = (0.0, *IS_HISTOGRAM_EDGES, math.inf)
+    hist = [float(v) for k, v in stats.items() if k.startswith("is_hist_")]
+    expected = [sum(lo <= r < hi for r in ratios) / len(ratios) for lo, hi in itertools.pairwise(edges)]
+    assert hist == pytest.approx(expected)
+    assert sum(hist) == pytest.approx(1.0)

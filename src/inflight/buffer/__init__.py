@@ -3,7 +3,7 @@ RolloutBuffer (staleness bound by admission, oldest first, active sampling)."""
 
 from inflight.buffer.buffer import BufferCounters, RolloutBuffer
 from inflight.buffer.codec import CodecError, decode_group, encode_group
-from inflight.buffer.metrics import importance_metrics, lag_histogram
+from inflight.buffer.metrics import lag_histogram
 from inflight.buffer.streams import NO_OFFSET, Stream, open_stream
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "Stream",
     "decode_group",
     "encode_group",
-    "importance_metrics",
     "lag_histogram",
     "open_stream",
 ]
