@@ -7,9 +7,15 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from inflight.config import RunConfig
@@ -119,3 +125,44 @@ def test_a_rollout_that_raises_is_counted_and_the_run_goes_on(tmp_path: Path, wa
     assert len(history) == 3
     assert history[-1]["rollout_errors"] >= 1
     assert history[-1]["groups_dropped_errors"] == 0  # 3 of 4 samples survive: the group still trains
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed) -> None:
+    """The engine in its own process (`inflight serve-engine`); weights reach it by the filesystem."""
+    _, model_dir = warmed
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "inflight.cli", "serve-engine", "--model", model_dir, "--port", str(port)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()[-2000:] if server.stderr else ""
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve-engine did not answer /health within 300 s"
+            time.sleep(0.2)
+        cfg = small_config(tmp_path, max_staleness_steps=1, engine_urls=[url])
+        cfg.mode, cfg.grpo.steps = "async", 4
+        history = train(parts_for(cfg, warmed), cfg, MetricsLogger(tmp_path), tmp_path)
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert len(history) == 4
+    assert history[-1]["replicas/calls"] > 0
+    # Lag <= 1 at trainer version >= 2 means the replica sampled with weights the trainer published.
+    assert history[-1]["version"] >= 2 and history[-1]["lag_steps_max"] <= 1
+    assert sorted(p.name for p in (tmp_path / "weights").glob("weights-*.safetensors"))

@@ -90,7 +90,9 @@ class PipelineConfig(_Config):
     # Where finished groups go before the trainer takes them: None = a file log in the run directory
     # (what a restart resumes from); "memory://name"; "redis://host:port/db?key=name".
     stream_url: str | None = None
-    weight_sync: Literal["inprocess", "filesystem"] = "inprocess"
+    # Inference replicas (`inflight serve-engine` URLs); empty = an engine in this process. With replicas,
+    # weights reach them through the filesystem transport (safetensors in RUN_DIR/weights, atomic rename).
+    engine_urls: list[str] = Field(default_factory=list)
     batch_timeout_s: float = 600.0  # the trainer's wait for a full batch
     rollout_timeout_s: float = 600.0  # one rollout, all its turns
     torch_threads: int = 1  # per stage: the engine thread and the trainer thread each get a core

@@ -49,6 +49,7 @@ from inflight.config import RunConfig
 from inflight.inference.engine_loop import EngineLoop
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
+from inflight.orchestrator.remote_engine import RemoteEngines
 from inflight.orchestrator.sync_loop import rollout_metrics, sampling_params, to_train_samples
 from inflight.rollouts.api import RolloutContext
 from inflight.rollouts.chat import ChatFormat
@@ -116,7 +117,11 @@ class _Pipeline:
         self.start_step = self._resume()
         self.stream = open_stream(p.stream_url or f"file://{(run_dir / 'streams' / 'results').resolve()}")
         self._recover()  # results that reached the stream before a crash, past the checkpoint's offset
-        self.loop = EngineLoop(parts.engine)
+        self.loop: Any = (
+            RemoteEngines(cfg.pipeline.engine_urls, run_dir / "weights")
+            if cfg.pipeline.engine_urls
+            else EngineLoop(parts.engine)
+        )
         self.history: list[dict[str, float]] = []
 
     # -- resume and checkpoints -------------------------------------------------------------------
@@ -293,6 +298,8 @@ class _Pipeline:
                     step_s=step_s,
                     engine_idle_frac=loop.idle_s / max(loop.idle_s + loop.busy_s, 1e-9),
                 )
+                if isinstance(loop, RemoteEngines):
+                    metrics.update(loop.metrics())
                 self.logger.log(step, metrics)
                 self.history.append(metrics)
                 progress.update(step + 1, metrics["reward_mean"])
@@ -305,8 +312,11 @@ class _Pipeline:
     def run(self, evaluate: Callable[[Any], dict[str, float]] | None) -> list[dict[str, float]]:
         # One core each for the engine thread and the trainer thread (torch's pool is process-wide).
         torch.set_num_threads(self.cfg.pipeline.torch_threads)
-        loop, trainer = self.loop.start(), self.parts.trainer
-        loop.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+        loop, trainer = self.loop, self.parts.trainer
+        remote = isinstance(loop, RemoteEngines)
+        if not remote:
+            loop.start()
+            loop.update_weights(WeightUpdate(trainer.version, trainer.weights()))
         errors: list[BaseException] = []
         eval_engine = LoopEngine(loop)
 
@@ -319,6 +329,9 @@ class _Pipeline:
                 errors.append(e)
 
         async def main() -> None:
+            if remote:  # its client lives on this event loop; the replicas get the trainer's weights first
+                await loop.astart()
+                await asyncio.to_thread(loop.update_weights, WeightUpdate(trainer.version, trainer.weights()))
             stop = asyncio.Event()
             producer = asyncio.create_task(self.produce(stop))
             thread = threading.Thread(target=train_thread, name="trainer", daemon=True)
@@ -335,11 +348,14 @@ class _Pipeline:
                 stop.set()  # (1) no more admissions
                 await asyncio.to_thread(thread.join)  # (2) the trainer's last step and checkpoint
                 await producer  # (3) cancel the rollouts in flight
+                if remote:
+                    await loop.aclose()  # (4) the replicas keep running: they are not ours to stop
 
         try:
             asyncio.run(main())
         finally:
-            loop.stop()  # (4)
+            if not remote:
+                loop.stop()  # (4)
             self.stream.close()  # (5)
         if errors:
             raise errors[0]
