@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -68,7 +70,7 @@ IS_HISTOGRAM_EDGES = (0.5, 0.8, 1.25, 2.0)
 def _ratio_histogram(ratio: Tensor, active: Tensor) -> dict[str, Tensor]:
     edges = IS_HISTOGRAM_EDGES
     names = [f"is_hist_lt_{edges[0]}"]
-    names += [f"is_hist_{lo}_{hi}" for lo, hi in zip(edges, edges[1:], strict=False)]
+    names += [f"is_hist_{lo}_{hi}" for lo, hi in itertools.pairwise(edges)]
     names.append(f"is_hist_ge_{edges[-1]}")
     bucket = torch.bucketize(ratio, torch.tensor(edges, dtype=ratio.dtype), right=True)
     return {name: masked_mean(bucket == i, active) for i, name in enumerate(names)}
