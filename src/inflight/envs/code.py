@@ -147,7 +147,10 @@ def _equal(actual: Any, expected: Any) -> bool:
     if isinstance(expected, bool) or isinstance(actual, bool):
         return type(actual) is type(expected) and actual == expected
     if isinstance(expected, int | float) and isinstance(actual, int | float):
-        return math.isclose(actual, expected, rel_tol=1e-9, abs_tol=1e-12)
+        try:
+            return math.isclose(actual, expected, rel_tol=1e-9, abs_tol=1e-12)
+        except OverflowError:  # an int beyond float range (e.g. 10**400): only exact equality matches
+            return bool(actual == expected)
     if isinstance(expected, list) and isinstance(actual, list):
         return len(actual) == len(expected) and all(map(_equal, actual, expected))
     if isinstance(expected, dict) and isinstance(actual, dict):

@@ -12,6 +12,11 @@ from inflight.errors import UserError
 
 RECIPES: dict[str, str] = {
     "blackjack": "inflight.recipes.blackjack",
+    "arithmetic": "inflight.recipes.arithmetic",
+    "math": "inflight.recipes.math",
+    "code": "inflight.recipes.code",
+    "tools": "inflight.recipes.tools",
+    "guess_number": "inflight.recipes.guess_number",
 }
 
 
