@@ -79,6 +79,10 @@ def _summary(history: list[dict[str, float]], wall_s: float, rollouts_per_step: 
         values = [h[key] for h in history if key in h]
         if values:
             out[f"{key}_mean"] = round(statistics.fmean(values), 4)
+    last = history[-1]
+    for key in ("engine/update_pause_s_mean", "engine/update_pause_s_max", "engine/stale_kv_token_frac"):
+        if key in last:  # the engine's counters since the start: the last step's value covers the run
+            out[key.removeprefix("engine/")] = round(last[key], 5)
     lag = {k: round(statistics.fmean(h[k] for h in history), 4) for k in history[-1] if k.startswith("lag_")}
     if lag:
         out["lag"] = lag

@@ -100,6 +100,14 @@ def test_bounded_staleness_runs_ahead_but_never_past_the_bound(tmp_path: Path, w
     assert last["buffer/admitted"] == accounted + last["buffer/cancelled"] + pending
     for key in ("ess", "is_weight_mean", "lag_steps_frac/0", "lag_steps_frac/1", "trainer_idle_frac"):
         assert key in last
+    # In-flight updates are measured: the initial weights and one version per step were published; when
+    # the last step logs, its own update may still wait for the next decode step. Each install paused
+    # generation a little (tokens on stale K/V are tested in test_kv_policy.py: BlackJack's one-token
+    # replies rarely straddle a swap).
+    assert last["engine/updates_received"] == 1 + 6
+    assert 6 <= last["engine/updates_applied"] + last["engine/updates_superseded"] <= 7
+    assert last["engine/update_pause_s_max"] >= last["engine/update_pause_s_mean"] > 0
+    assert "engine/stale_kv_token_frac" in last
     assert (tmp_path / "checkpoint" / "trainer_state.json").is_file()
 
 

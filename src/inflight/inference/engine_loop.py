@@ -110,6 +110,21 @@ class EngineLoop:
         self.engine.update_weights(update)
         self._wake.set()
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's in-flight update counters since it started (the pipeline logs them every step)."""
+        m = self.engine.metrics()
+        applied = max(m.updates_applied, 1)
+        return {
+            "engine/updates_received": float(m.updates_received),
+            "engine/updates_applied": float(m.updates_applied),
+            "engine/updates_superseded": float(m.updates_superseded),
+            "engine/update_pause_s_mean": m.update_pause_s_total / applied,
+            "engine/update_pause_s_max": m.update_pause_s_max,
+            "engine/update_copy_s_mean": m.update_copy_s_total / max(m.updates_received, 1),
+            "engine/stale_kv_token_frac": m.stale_kv_token_frac,
+            "engine/tokens_per_busy_s": m.tokens_per_s,
+        }
+
     def _check_open(self) -> None:
         if self._error is not None:
             raise EngineLoopError(f"the engine loop stopped after a failed step: {self._error}")

@@ -298,8 +298,7 @@ class _Pipeline:
                     step_s=step_s,
                     engine_idle_frac=loop.idle_s / max(loop.idle_s + loop.busy_s, 1e-9),
                 )
-                if isinstance(loop, RemoteEngines):
-                    metrics.update(loop.metrics())
+                metrics.update(loop.metrics())  # pause per update, transfer s, stale-KV tokens (or replicas')
                 self.logger.log(step, metrics)
                 self.history.append(metrics)
                 progress.update(step + 1, metrics["reward_mean"])
