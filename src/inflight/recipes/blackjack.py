@@ -12,8 +12,8 @@ from inflight.envs.base import episode_seeds
 from inflight.envs.blackjack import basic_strategy_policy, play_hands
 from inflight.inference.builtin import BuiltinEngineConfig
 from inflight.orchestrator.sync_loop import LoopParts
-from inflight.recipes.common import build_summary, finish, play_policy, run_recipe
-from inflight.trainer import LossConfig, TrainerConfig
+from inflight.recipes.common import build_summary, finish, play_policy, run_recipe, tiny_model_loss
+from inflight.trainer import TrainerConfig
 
 
 def preset() -> RunConfig:
@@ -23,19 +23,8 @@ def preset() -> RunConfig:
         trainer=TrainerConfig(
             lr=3e-4,
             micro_batch_size=32,
-            # The bonus is the entropy of the choice among the 3 likeliest tokens: exploration between
-            # hit and stand without pushing mass into tokens that break the answer format.
-            # and an exact KL(ref || pi) to the warmed-up model: a floor under every action the reference
-            # finds plausible (it restores `hit` even after it stops being sampled; seeds collapsed to
-            # always-stand without it).
-            loss=LossConfig(
-                name="ppo",
-                reduction="token_mean",
-                entropy_coef=0.3,
-                entropy_top_k=3,
-                kl_coef=0.1,
-                kl_estimator="exact_ref",
-            ),
+            # Seeds collapsed to always-stand without the entropy bonus and KL floor (see tiny_model_loss).
+            loss=tiny_model_loss(entropy_coef=0.3),
         ),
         sampling=SamplingConfig(temperature=1.0, max_tokens_per_turn=4),
         # Std-normalised group advantages: groups of low totals, whose rewards differ little, weigh as

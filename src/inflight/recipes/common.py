@@ -26,11 +26,31 @@ from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.warmup import WarmupReply, format_warmup
 from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import run_episodes
+from inflight.trainer import LossConfig
 from inflight.trainer.checkpoint import save_checkpoint
 from inflight.types import Rollout, SamplingParams
 
 # (parts, cfg, num_episodes) -> eval metrics, at least "return_greedy" and "return" (sampled).
 Evaluate = Callable[[LoopParts, RunConfig, int], dict[str, float]]
+
+
+def tiny_model_loss(entropy_coef: float) -> LossConfig:
+    """PPO (token mean) with the two terms that let a tiny model from scratch keep exploring under RL.
+
+    A bonus on the entropy of the choice among the 3 likeliest tokens keeps several answers alive
+    without pushing mass into tokens that break the answer format, and an exact KL(ref || pi) to the
+    warmed-up model puts a floor under every answer the reference finds plausible (it restores an
+    answer even after it stops being sampled). Without them BlackJack collapsed to always-stand and
+    arithmetic to one answer per question (docs/benchmarks.md).
+    """
+    return LossConfig(
+        name="ppo",
+        reduction="token_mean",
+        entropy_coef=entropy_coef,
+        entropy_top_k=3,
+        kl_coef=0.1,
+        kl_estimator="exact_ref",
+    )
 
 
 def env_factory(cfg: RunConfig) -> Callable[[], Environment]:

@@ -13,8 +13,15 @@ from inflight.envs import make_env
 from inflight.envs.base import Environment
 from inflight.inference.builtin import BuiltinEngineConfig
 from inflight.orchestrator.sync_loop import LoopParts
-from inflight.recipes.common import build_summary, finish, greedy_and_sampled, rate_summary, run_recipe
-from inflight.trainer import LossConfig, TrainerConfig
+from inflight.recipes.common import (
+    build_summary,
+    finish,
+    greedy_and_sampled,
+    rate_summary,
+    run_recipe,
+    tiny_model_loss,
+)
+from inflight.trainer import TrainerConfig
 
 EVAL_KEYS = ("correct", "format_error")
 
@@ -26,14 +33,7 @@ def preset() -> RunConfig:
         trainer=TrainerConfig(
             lr=1e-3,
             micro_batch_size=32,
-            loss=LossConfig(
-                name="ppo",
-                reduction="token_mean",
-                entropy_coef=0.1,
-                entropy_top_k=3,
-                kl_coef=0.1,
-                kl_estimator="exact_ref",
-            ),
+            loss=tiny_model_loss(entropy_coef=0.1),
         ),
         sampling=SamplingConfig(temperature=1.0, max_tokens_per_turn=24),
         grpo=GRPOConfig(steps=100, prompts_per_step=12, group_size=8, advantage="mean_std", max_turns=1),
