@@ -47,13 +47,22 @@ def _layer(seed: int = 0) -> tuple[nn.Linear, LoraRouter, MultiLoraLinear]:
     return base, router, MultiLoraLinear(base, "layer", router)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])  # one token per row: the gathered form; more: the grouped one
-def test_mixed_adapters_per_row_match_the_explicit_formula_in_value_and_gradient(tokens):
+@pytest.mark.parametrize("tokens", [1, 3])  # one token per row: the grouped form; more: the gathered one
+@pytest.mark.parametrize(
+    "row_slot",
+    [
+        [0, 1, 2, 3, 1, 0],  # unsorted runs of 1 row: chunks of one row, each gathering its A/B
+        [0, 0, 1, 1, 2, 2, 3, 3],  # sorted equal runs: each slot is one chunk, the stacks used as they are
+        [1, 1, 1, 1, 0, 0],  # runs of 4 and 2, unsorted: chunks of 2 rows (gcd), gathered and permuted
+    ],
+)
+# Ranks 2 and 4: A/B zero-padded to one rank, scales 16 and 8 folded into B; rank 32 twice: scale 1, as is.
+@pytest.mark.parametrize("ranks", [(2, 4), (32, 32)])
+def test_mixed_adapters_per_row_match_the_explicit_formula_in_value_and_gradient(tokens, row_slot, ranks):
     base, router, layer = _layer()
-    a1, a2 = _adapter(2, seed=1), _adapter(4, seed=2)
+    a1, a2 = _adapter(ranks[0], seed=1), _adapter(ranks[1], seed=2)
     other = LoraAdapter.create({"elsewhere": (IN, OUT)}, rank=3, seed=3)  # does not train "layer"
     slots = [a1, a2, other, None]
-    row_slot = [0, 1, 2, 3, 1, 0]
     x = torch.randn(len(row_slot), tokens, IN)
     with router.use(LoraPlan(slots, row_slot)):
         y = layer(x)

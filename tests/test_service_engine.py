@@ -159,7 +159,9 @@ def test_losses_are_sums_without_normalisation(engine):
     twice = _ok(engine.forward_backward([ForwardBackwardJob("m", [datum, datum], "cross_entropy")])[0])
     assert twice.metrics["loss:sum"] == pytest.approx(2 * once.metrics["loss:sum"], rel=1e-6)
     for key, grad in engine.adapter_gradients("m").items():
-        torch.testing.assert_close(grad, 2 * grads_once[key], rtol=1e-5, atol=1e-7)
+        # float32 sums over 2 rows in one pass vs 1 row: tolerance relative to the gradient's own scale
+        scale = float(grads_once[key].abs().max())
+        torch.testing.assert_close(grad, 2 * grads_once[key], rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_forward_only_touches_no_gradient(engine):

@@ -1,9 +1,10 @@
 """One batched forward(/backward) over the jobs of one base model, whatever adapter each job uses.
 
 Datums of all jobs are sorted by length and cut into micro-batches of at most `max_batch_tokens` padded
-tokens; every micro-batch runs the model once with a per-row adapter plan, computes each job's Tinker loss
-on its rows and back-propagates the sum of the training jobs' losses. Losses are sums, so micro-batching
-is exact gradient accumulation. Knows nothing of adapters' optimizers, requests or files.
+tokens; every micro-batch runs the model once with a per-row adapter plan, computes the Tinker loss of each
+job's rows (one call per loss and parameters) and back-propagates the sum of the training jobs' losses.
+Losses are sums, so micro-batching is exact gradient accumulation. Knows nothing of adapters' optimizers,
+requests or files.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from inflight.api.engine_losses import PreparedJob, job_metrics, loss_outputs
 from inflight.api.engine_types import ForwardBackwardOutput
-from inflight.losses import token_logprobs
+from inflight.losses import LossParams, token_logprobs
 from inflight.models.lora import LoraPlan, LoraRouter
 from inflight.models.lora_adapter import LoraAdapter
 
@@ -91,37 +93,51 @@ def _run_micro_batch(
 ) -> tuple[Tensor, Tensor]:
     """Detached CPU log-probs and per-token losses [b,T] of the rows; backward of the training jobs' sum."""
     datums = [work[w].prepared.datums[d] for w, d in batch_rows]
-    width = max(d.length for d in datums)
 
-    def pad(key: str, dtype: torch.dtype) -> Tensor:
-        out = torch.zeros(len(datums), width, dtype=dtype)
-        for i, datum in enumerate(datums):
-            out[i, : datum.length] = getattr(datum, key)
-        return out.to(device)
+    def pad(key: str) -> Tensor:  # [b,T], 0 after each row's end
+        return pad_sequence([getattr(datum, key) for datum in datums], batch_first=True).to(device)
 
-    input_ids, targets = pad("input_ids", torch.long), pad("targets", torch.long)
-    row_values = {key: pad(key, torch.float32) for key in _ROW_KEYS}
+    input_ids, targets = pad("input_ids"), pad("targets")
+    row_values = {key: pad(key) for key in _ROW_KEYS}
     plan = LoraPlan(slots, [work[w].slot for w, _ in batch_rows])
-    rows_of_job: dict[int, list[int]] = defaultdict(list)
-    for i, (w, _) in enumerate(batch_rows):
-        rows_of_job[w].append(i)
-    train = any(work[w].prepared.job.backward for w in rows_of_job)
+    train = any(work[w].prepared.job.backward for w, _ in batch_rows)
 
     with torch.set_grad_enabled(train), router.use(plan):
         # Right padding and no attention mask: causality alone keeps the pad tokens (all after the real
         # ones) out of every real position, and the plain causal mask takes the fastest attention path.
         logits = model(input_ids=input_ids).logits
         lp = token_logprobs(logits, targets)  # [b,T] float32; position i scores targets[i], no shift
-        per_token = torch.zeros_like(lp, requires_grad=False)
-        total: Tensor | None = None
-        for w, job_rows in rows_of_job.items():
-            index = torch.tensor(job_rows, device=device)
-            job_loss = loss_outputs(
-                work[w].prepared, lp[index], {key: value[index] for key, value in row_values.items()}
-            ).per_token
-            per_token.index_copy_(0, index, job_loss.detach())
-            if work[w].prepared.job.backward:
-                total = job_loss.sum() if total is None else total + job_loss.sum()
+        per_token, total = _losses(work, batch_rows, lp, row_values)
     if total is not None and total.requires_grad:
         total.backward()
-    return lp.detach().cpu(), per_token.detach().cpu()
+    return lp.detach().cpu(), per_token.cpu()
+
+
+def _losses(
+    work: Sequence[FbWork], batch_rows: Sequence[tuple[int, int]], lp: Tensor, row_values: dict[str, Tensor]
+) -> tuple[Tensor, Tensor | None]:
+    """Detached per-token losses [b,T] of the rows, and the sum of the training jobs' losses (or None).
+
+    The losses are per token, so jobs with the same loss and parameters share one call over all their
+    rows: a micro-batch of cross_entropy jobs costs one loss call, however many jobs it holds.
+    """
+    groups: dict[tuple[str, LossParams], list[int]] = defaultdict(list)
+    for i, (w, _) in enumerate(batch_rows):
+        groups[work[w].prepared.job.loss_fn, work[w].prepared.params].append(i)
+    per_token = torch.zeros_like(lp, requires_grad=False)
+    total: Tensor | None = None
+    for rows in groups.values():
+        index = None if len(rows) == len(batch_rows) else torch.tensor(rows, device=lp.device)
+        group_lp = lp if index is None else lp[index]
+        group_values = row_values if index is None else {k: v[index] for k, v in row_values.items()}
+        prepared = work[batch_rows[rows[0]][0]].prepared  # any job of the group: same loss and params
+        loss = loss_outputs(prepared, group_lp, group_values).per_token
+        if index is None:
+            per_token = loss.detach()
+        else:
+            per_token.index_copy_(0, index, loss.detach())
+        trains = [work[batch_rows[i][0]].prepared.job.backward for i in rows]
+        if any(trains):
+            kept = loss if all(trains) else loss[torch.tensor(trains, device=lp.device)]
+            total = kept.sum() if total is None else total + kept.sum()
+    return per_token, total
