@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# attend(layer, q [b, t, H, D], k [b, t, KV, D], v [b, t, KV, D]) -> [b, t, H * D]
+# attend(layer, q [b, t, H, D], k [b, t, KV, D], v [b, t, KV, D]) -> [b * t, H * D]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -132,9 +132,49 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """RoPE as HF computes it, x * cos + rotate_half(x) * sin, with rotate_half(x) * sin written as
+    roll(x) * signed_sin: the sign lives in the table (`ModelRunner.signed_sin`), which saves a negation
+    and a cat per call and is bitwise the same (negation commutes with rounding). Not addcmul: its single
+    rounding would depart from HF's in bfloat16.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+# Above this many attention scores (b * heads * t * t) causal attention uses SDPA's flash kernel, whose
+# memory does not grow with t^2; below it, two batched matmuls beat it on CPU (64 prompts of 16 tokens:
+# 1.2x with one thread, ~3x with two).
+_MATERIALISED_SCORES_MAX = 1 << 20
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal GQA self-attention over q [b, t, H, D], k/v [b, t, KV, D] -> [b * t, H * D]."""
+    b, t, nh, d = q.shape
+    kv = k.shape[2]
+    if b * nh * t * t > _MATERIALISED_SCORES_MAX:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, t, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * t, -1)
+    # The rep query heads sharing a kv head become rep query rows per position of one (row, kv head) batch
+    # entry: rows (position i, head r) -> i * rep + r, so the causal mask repeats each row rep times.
+    rep = nh // kv
+    queries = q.view(b, t, kv, rep, d).transpose(1, 2).reshape(b * kv, t * rep, d)
+    keys, values = (x.transpose(1, 2).reshape(b * kv, t, d) for x in (k, v))
+    future = torch.ones(t, t, dtype=torch.bool).triu_(1).repeat_interleave(rep, dim=0)
+    bias = torch.zeros(t * rep, t, dtype=q.dtype).masked_fill_(future, float("-inf"))
+    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)  # float32, like HF's eager
+    out = torch.bmm(probs, values).view(b, kv, t, rep, d)
+    return out.transpose(1, 2).reshape(b * t, -1)
+
+
+def add_linear(x: Tensor, a: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x + linear(a, weight, bias) for 2-D x and a: the residual add rides in the matmul (one op fewer).
+
+    The sgemm adds x inside its accumulation (beta = 1), which can differ from HF's separate add by an ulp.
+    """
+    out = torch.addmm(x, a, weight.t())
+    return out if bias is None else out.add_(bias)
 
 
 class ModelRunner:
@@ -143,8 +183,10 @@ class ModelRunner:
     def __init__(self, spec: ModelSpec, weights: Weights, max_batch_size: int, max_seq_len: int) -> None:
         self.spec, self.weights, self.max_seq_len = spec, weights, max_seq_len
         dtype = weights.embed.dtype
-        shape = (max_batch_size, spec.num_kv_heads, max_seq_len, spec.head_dim)
-        # k_cache[layer][row, kv_head, position]: active sequences occupy rows 0..n-1.
+        shape = (max_batch_size, max_seq_len, spec.num_kv_heads, spec.head_dim)
+        # k_cache[layer][row, position, kv_head]: active sequences occupy rows 0..n-1. Heads innermost, so
+        # that a decode step writes a row's new K of all heads as one slot, and a row's keys over a span
+        # are one [span * kv heads, D] matrix (see decode).
         self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
         # Same formula as HF's default rotary embedding, computed once in float32 for every position.
@@ -152,15 +194,20 @@ class ModelRunner:
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
         freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self.positions = torch.arange(max_seq_len)
+        sin = emb.sin()
+        self.cos = emb.cos().to(dtype)
+        self.signed_sin = torch.cat((-sin[:, : d // 2], sin[:, d // 2 :]), dim=-1).to(dtype)  # see rotate()
+        self.row_slots = torch.arange(max_batch_size) * max_seq_len  # row starts in a [rows * positions] view
+        self.columns = torch.arange(max_seq_len * spec.num_kv_heads)
+        # The kv head of each query head (GQA): query head h reads kv head h // (heads per kv head).
+        self.query_group = torch.arange(spec.num_heads) // (spec.num_heads // spec.num_kv_heads)
 
     def prefill(self, prompts: list[list[int]], row0: int | None) -> Tensor:
         """Logits [b, V] (float32) at each prompt's last token; writes KV rows row0.. (None: no cache)."""
         w = self.weights  # one snapshot for the whole pass
         h = self._prefill_hidden(w, prompts, row0)
         last = torch.tensor([len(p) - 1 for p in prompts])
-        return self._logits(w, h[torch.arange(len(prompts)), last])
+        return self._logits(w, h.view(len(prompts), -1, h.shape[-1])[torch.arange(len(prompts)), last])
 
     def fill_cache(self, prefixes: list[list[int]], row0: int) -> None:
         """Recompute the K/V of rows row0.. from their token prefixes under the current weights (no logits).
@@ -170,77 +217,71 @@ class ModelRunner:
         self._prefill_hidden(self.weights, prefixes, row0)
 
     def _prefill_hidden(self, w: Weights, prompts: list[list[int]], row0: int | None) -> Tensor:
-        """Hidden states [b, t, hidden] of right-padded prompts; writes KV rows row0.. unless row0 is None."""
+        """Hidden states [b * t, hidden] of right-padded prompts; writes KV rows row0.. (None: no cache)."""
         b, t = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(b, t, dtype=torch.long)  # right padding: causality alone hides the pad keys
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, t, D]
             if row0 is not None:
-                self.k_cache[layer][row0 : row0 + b, :, :t] = k
-                self.v_cache[layer][row0 : row0 + b, :, :t] = v
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return out.transpose(1, 2).reshape(b, t, -1)
+                self.k_cache[layer][row0 : row0 + b, :t] = k
+                self.v_cache[layer][row0 : row0 + b, :t] = v
+            return causal_attention(q, k, v)
 
-        return self._layers(w, ids, self.cos[:t], self.sin[:t], attend)
+        return self._layers(w, ids, self.cos[:t], self.signed_sin[:t], attend)
 
     def full_logits(self, token_ids: list[int]) -> Tensor:
         """Logits [T, V] (float32) at every position of one sequence; the cache is untouched."""
-        t = len(token_ids)
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return out.transpose(1, 2).reshape(1, t, -1)
-
-        w = self.weights
+        t, w = len(token_ids), self.weights
+        ids = torch.tensor([token_ids])
         return self._logits(
-            w, self._layers(w, torch.tensor([token_ids]), self.cos[:t], self.sin[:t], attend)[0]
+            w,
+            self._layers(
+                w, ids, self.cos[:t], self.signed_sin[:t], lambda _, q, k, v: causal_attention(q, k, v)
+            ),
         )
 
     def decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """One token for each of rows 0..n-1 at its own position; returns logits [n, V] (float32)."""
         n, span = tokens.shape[0], int(positions.max()) + 1
-        kv, d = self.spec.num_kv_heads, self.spec.head_dim
-        rep = self.spec.num_heads // kv
-        # Flat index of (row, kv head, position) in a cache viewed as [rows * kv heads * positions, D].
-        heads = torch.arange(n)[:, None] * kv + torch.arange(kv)
-        slots = (heads * self.max_seq_len + positions[:, None]).flatten()
-        # Length mask as an additive bias per (row, kv head, query head of the group): row i attends to its
-        # positions 0..positions[i]; cache entries beyond are stale or empty.
-        beyond = (self.positions[:span] > positions[:, None]).view(n, 1, 1, span)
-        bias = torch.zeros(beyond.shape, dtype=self.cos.dtype).masked_fill_(beyond, float("-inf"))
-        bias = bias.expand(n, kv, rep, span).reshape(n * kv, rep, span)
+        nh, kv, d = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        slots = self.row_slots[:n] + positions
+        # Each row's query heads attend over the keys of all its kv heads at once: one [H, span * KV] score
+        # matrix per row (n batch entries in one bmm, not n * KV tiny ones: the masked columns cost less
+        # than per-entry overhead). The bias hides the columns of other kv heads, and positions beyond the
+        # row's own (stale or empty cache entries).
+        column = self.columns[: span * kv]  # column c holds (position c // KV, kv head c % KV)
+        hidden = (column % kv != self.query_group[:, None]) | (column // kv > positions[:, None, None])
+        bias = torch.zeros(hidden.shape, dtype=self.cos.dtype).masked_fill_(hidden, float("-inf"))
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = self.k_cache[layer], self.v_cache[layer]
-            kc.view(-1, d).index_copy_(0, slots, k.reshape(-1, d))
-            vc.view(-1, d).index_copy_(0, slots, v.reshape(-1, d))
-            # GQA without copying K/V: the rep query heads of a kv head act as rep query positions of one
-            # (row, kv head) batch entry. Plain bmm: for one query token it beats SDPA's flash kernel.
-            keys = kc[:n, :, :span].reshape(n * kv, span, d)
-            scores = torch.baddbmm(bias, q.reshape(n * kv, rep, d), keys.transpose(1, 2), alpha=d**-0.5)
+            kc.view(-1, kv * d).index_copy_(0, slots, k.reshape(n, kv * d))
+            vc.view(-1, kv * d).index_copy_(0, slots, v.reshape(n, kv * d))
+            # Plain bmm: for one query token it beats SDPA's flash kernel.
+            keys = kc[:n, :span].view(n, span * kv, d)
+            scores = torch.baddbmm(bias, q.reshape(n, nh, d), keys.transpose(1, 2), alpha=d**-0.5)
             probs = scores.softmax(dim=-1, dtype=torch.float32).to(vc.dtype)  # float32, like HF's eager
-            return torch.bmm(probs, vc[:n, :, :span].reshape(n * kv, span, d)).reshape(n, 1, -1)
+            return torch.bmm(probs, vc[:n, :span].view(n, span * kv, d)).view(n, -1)
 
         w = self.weights
-        h = self._layers(w, tokens[:, None], self.cos[positions], self.sin[positions], attend)
-        return self._logits(w, h[:, 0])
+        h = self._layers(w, tokens[:, None], self.cos[positions], self.signed_sin[positions], attend)
+        return self._logits(w, h)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
-            kc[dst, :, :length] = kc[src, :, :length]
-            vc[dst, :, :length] = vc[src, :, :length]
+            kc[dst, :length] = kc[src, :length]
+            vc[dst, :length] = vc[src, :length]
 
     def _layers(self, w: Weights, ids: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        """Embedding and decoder layers over ids [b, t]; cos/sin [t or b, D] broadcast to [b, t, 1, D]."""
+        """Embedding and decoder layers over ids [b, t] -> hidden [b * t, hidden] (2-D, so that residual
+        adds fuse into addmm); cos/sin [t or b, D] broadcast to [b, t, 1, D]."""
         spec = self.spec
         b, t = ids.shape
         nh, nkv, d, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
         cos, sin = cos.view(-1, t, 1, d), sin.view(-1, t, 1, d)
-        x = F.embedding(ids, w.embed)
+        x = F.embedding(ids.reshape(-1), w.embed)
         for i, lw in enumerate(w.layers):
             qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.qkv, lw.qkv_bias).view(b, t, nh + 2 * nkv, d)
             qk, v = qkv.split([nh + nkv, nkv], dim=2)
@@ -248,9 +289,10 @@ class ModelRunner:
                 q, k = qk.split([nh, nkv], dim=2)
                 qk = torch.cat([rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)], dim=2)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=2)  # q and k heads rotated in one pass
-            x = x + F.linear(attend(i, q, k, v), lw.o_proj, lw.o_bias)
+            x = add_linear(x, attend(i, q, k, v), lw.o_proj, lw.o_bias)
             gate, up = F.linear(rms_norm(x, lw.post_norm, eps), lw.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw.down)
+            # In place into the gate half: no new activation buffers (the matmul reads the strided view).
+            x = add_linear(x, F.silu(gate, inplace=True).mul_(up), lw.down, None)
         return x
 
     def _logits(self, w: Weights, h: Tensor) -> Tensor:

@@ -26,19 +26,28 @@ def sample(
     the other rows; the other rows share `default_generator`.
     """
     logits = logits.float()
-    if all(p.temperature == 0 for p in params):
+    temperatures = {p.temperature for p in params}
+    if temperatures == {0}:
         best, tokens = logits.max(dim=-1)
         return tokens, best - torch.logsumexp(logits, dim=-1)
 
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    greedy = None
+    if len(temperatures) == 1:  # the common batch: one temperature, so a scalar and no greedy rows
+        (t,) = temperatures
+        scaled = logits if t == 1 else logits / t  # x / 1 == x: skipping the division changes nothing
+    else:
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        greedy = temperature == 0
+        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     rows = [i for i, p in enumerate(params) if p.truncates_distribution]  # never greedy rows
     if rows:
         top_k = torch.tensor([params[i].top_k for i in rows])
         top_p = torch.tensor([params[i].top_p for i in rows])
-        index = torch.tensor(rows)
-        scaled[index] = truncate(scaled[index], top_k, top_p)
+        if len(rows) == len(params):
+            scaled = truncate(scaled, top_k, top_p)
+        else:  # out of place: `scaled` may be the caller's logits
+            index = torch.tensor(rows)
+            scaled = scaled.index_copy(0, index, truncate(scaled[index], top_k, top_p))
     probs = torch.softmax(scaled, dim=-1)
 
     # Inverse-CDF sampling: one uniform per row (n draws, not n * V as an exponential race would need).
@@ -51,7 +60,7 @@ def sample(
     # 1 - u lies in (0, 1]: the target mass is > 0, so a zero-probability token is never the first bin hit.
     target = (1.0 - uniform) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_max_(cdf.shape[-1] - 1)
-    if any(greedy.tolist()):
+    if greedy is not None and 0 in temperatures:  # a mixed batch with greedy rows
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     # log of the probability (not log_softmax): one pass fewer over the vocabulary, and as exact for any
     # token that can be drawn (probabilities below float32's normal range are never sampled).
