@@ -346,17 +346,18 @@ def test_requests_of_a_client_that_left_or_timed_out_are_aborted(tiny_model_dir,
     engine = make_engine(tiny_model_dir)
     long = {"prompt_token_ids": [1, 2, 3], "max_tokens": 1020}  # seconds of decoding for this engine
     with (
-        in_process(engine, tokenizer, disconnect_poll_s=0.05, request_timeout_s=1.0) as server,
+        # 1,020 tokens take ~0.5-1 s at batch 1 here: the limits sit well below that.
+        in_process(engine, tokenizer, disconnect_poll_s=0.02, request_timeout_s=0.25) as server,
         httpx.Client(base_url=server.url) as http,
     ):
         with pytest.raises(httpx.ReadTimeout):
-            http.post("/generate", json=long, timeout=0.3)  # the client gives up
+            http.post("/generate", json=long, timeout=0.1)  # the client gives up
         asyncio.run(
             wait_until(lambda: engine.metrics().num_running == 0, 30, "the abandoned request aborted")
         )
         assert engine.metrics().tokens_generated < 1020  # stopped early, not decoded to the end
         timed_out = http.post("/generate", json=long, timeout=60)  # the server's own limit
-        assert timed_out.status_code == 504 and "waited 1 s for 1 request(s)" in timed_out.text
+        assert timed_out.status_code == 504 and "waited 0.25 s for 1 request(s)" in timed_out.text
         assert (
             http.post("/generate", json={"prompt_token_ids": [4], "max_tokens": 3}, timeout=60).status_code
             == 200

@@ -126,7 +126,7 @@ class _EngineService:
                 if remaining <= 0:
                     m = self.engine.metrics()
                     raise TimeoutError(
-                        f"waited {timeout_s:.0f} s for {len(requests)} request(s) to finish generating "
+                        f"waited {timeout_s:g} s for {len(requests)} request(s) to finish generating "
                         f"(engine: {m.num_running} running, {m.num_waiting} waiting)"
                     )
                 done, _ = await asyncio.wait({waiter}, timeout=min(self.config.disconnect_poll_s, remaining))
