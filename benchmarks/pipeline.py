@@ -117,6 +117,7 @@ def blackjack(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     cfg.progress = False
     cfg.warmup.sft_steps = args.warmup_steps
     cfg.grpo.steps = args.steps
+    cfg.trainer.lr_schedule = "constant"  # as recorded in docs/benchmarks.md; the same on both sides
     model, tokenizer = load_policy(cfg)
     chat = ChatFormat(tokenizer)
     new_env = env_factory(cfg)
@@ -134,7 +135,7 @@ def blackjack(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         torch.set_num_threads(2)
         parts = LoopParts(
             build_engine(run_cfg, model, tokenizer),
-            build_trainer(model, tokenizer, run_cfg.trainer),
+            build_trainer(model, tokenizer, run_cfg.trainer, run_cfg.grpo.steps),
             chat,
             new_env,
         )
@@ -167,7 +168,7 @@ def latency_task(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         run_cfg.pipeline.max_staleness_steps = staleness
         parts = PipelineParts(
             build_engine(run_cfg, model, tokenizer),
-            build_trainer(model, tokenizer, run_cfg.trainer),
+            build_trainer(model, tokenizer, run_cfg.trainer, run_cfg.grpo.steps),
             chat,
             LatencyTask(),
         )

@@ -200,8 +200,9 @@ class StalenessMachine(RuleBasedStateMachine):
         self.in_flight.pop(data.draw(st.integers(0, len(self.in_flight) - 1)))
         self.buffer.cancel()
 
-    @rule()
-    def train_step(self) -> None:
+    @rule(skipped=st.booleans())
+    def train_step(self, skipped: bool) -> None:
+        """`skipped`: the batch had nothing to train on (the trainer's version stays where it was)."""
         try:
             batch = self.buffer.get_batch(self.trainer_version, timeout_s=0.0)
         except TimeoutError:
@@ -217,7 +218,8 @@ class StalenessMachine(RuleBasedStateMachine):
                         assert version <= self.trainer_version
                         if self.k is not None:
                             assert self.trainer_version - version <= self.k, (self.trainer_version, version)
-        self.trainer_version += 1
+        self.trainer_version += 0 if skipped else 1
+        self.buffer.step_done(self.trainer_version)
 
     @invariant()
     def the_admission_invariant_holds_on_the_true_versions(self) -> None:
@@ -272,6 +274,10 @@ def test_active_sampling_keeps_only_informative_groups_and_counts_the_rest() -> 
     batch = buffer.get_batch(0, timeout_s=1.0)
     assert [g.group_id for g in batch] == ["a", "b"]
     assert buffer.counters.filtered == 3
+    # What the policy did is every rollout drawn (mean reward 4.5 / 9), not only the batch (2 / 4).
+    drawn = buffer.take_drawn()
+    assert sorted(r.group_id for r in drawn) == sorted(g.group_id for g in groups for _ in g.rollouts)
+    assert buffer.take_drawn() == []  # nothing arrived since
 
 
 def test_without_active_sampling_uninformative_groups_are_trained_on() -> None:
@@ -281,6 +287,34 @@ def test_without_active_sampling_uninformative_groups_are_trained_on() -> None:
         buffer.put(g)
     assert [g.group_id for g in buffer.get_batch(0, timeout_s=1.0)] == ["flat", "a"]
     assert buffer.counters.filtered == 0
+
+
+def test_active_sampling_lets_flat_groups_through_once_the_batch_budget_is_spent() -> None:
+    """A policy whose groups never differ would make active sampling draw forever: the budget ends it."""
+    buffer = RolloutBuffer(groups_per_step=2, max_staleness_steps=None, max_filtered_per_batch=3)
+    for i in range(5):
+        assert buffer.admit(0, 0)
+        buffer.put(make_group([[0], [0]], [0.0, 0.0], f"flat-{i}"))
+    assert buffer.counters.filtered == 3 and buffer.counters.filter_passed == 2
+    assert [g.group_id for g in buffer.get_batch(0, timeout_s=1.0)] == ["flat-3", "flat-4"]
+    # The next batch has a fresh budget.
+    assert buffer.admit(0, 1)
+    buffer.put(make_group([[0], [0]], [1.0, 1.0], "flat-5"))
+    assert buffer.counters.filtered == 4 and buffer.counters.filter_passed == 2
+    with pytest.raises(ValueError, match="max_filtered_per_batch"):
+        RolloutBuffer(groups_per_step=2, max_staleness_steps=None, max_filtered_per_batch=-1)
+
+
+def test_a_skipped_step_lets_an_on_policy_buffer_admit_again() -> None:
+    """With k = 0, a step that trained nothing leaves the trainer (and engine) at the same version."""
+    buffer = RolloutBuffer(groups_per_step=2, max_staleness_steps=0, active_sampling=False)
+    assert admit_n(buffer, 3, engine_version=0, trainer_version=0) == 2
+    for i in range(2):
+        buffer.put(make_group([[0], [0]], [1.0, 1.0], f"flat-{i}"))
+    buffer.get_batch(trainer_version=0, timeout_s=1.0)
+    assert not buffer.admit(engine_version=0, trainer_version=0)  # assumes the step trains: waits for v1
+    buffer.step_done(trainer_version=0)  # it was skipped: the next batch trains at version 0 again
+    assert admit_n(buffer, 3, engine_version=0, trainer_version=0) == 2
 
 
 def test_batches_are_oldest_first_by_token_version_then_arrival() -> None:

@@ -1,5 +1,11 @@
 """End to end on the tiny model: `inflight run blackjack` with a short schedule, and the reward rises.
 
+It runs the default mode, the asynchronous pipeline (tokens may be one step stale). The rise is measured
+on the same 1,000 evaluation hands with the same sampling seeds before and after RL: a paired comparison.
+The training reward itself is too noisy over 40 steps to compare (the 8 rollouts of a group share a hand,
+so a step's mean has the spread of its ~16-40 groups, about +-0.16; measured first/last-10-step means
+went either way across seeds and lr schedules, while the paired evaluation rose in every run).
+
 Reference: random legal play returns about -0.34 per hand and always-stand about -0.16 (exact values
 in tests/test_blackjack.py); a policy that learns anything from the reward leaves random play behind
 within a few dozen on-policy steps.
@@ -32,20 +38,24 @@ def test_blackjack_reward_rises(tmp_path: Path, capsys: pytest.CaptureFixture[st
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
     assert summary["steps"] == 40
-    # The sampled policy after RL beats the policy before RL on the same 1,000 hands and seeds.
-    assert summary["return_final_sampled"] > summary["return_initial_sampled"] + 0.05, summary
+    # The sampled policy after RL beats the policy before RL on the same 1,000 hands and seeds. Measured
+    # gains (seeds 0, 1): +0.053, +0.114; the margin is half the smallest.
+    assert summary["return_final_sampled"] > summary["return_initial_sampled"] + 0.025, summary
     assert {"return_initial", "return_final", "return_basic_strategy", "wall_s"} <= summary.keys()
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train"]
     assert len(train) == 40 and all("reward_mean" in r and "step_s" in r for r in train)
-    first, last = (sum(r["reward_mean"] for r in part) / 10 for part in (train[:10], train[-10:]))
-    assert last > first, (first, last)
+    assert {"return_first10", "return_last10"} <= summary.keys()
     updated = [r for r in train if "loss" in r]
     assert updated, "at least one step must have trained"
     for key in ("loss", "entropy", "is_weight_mean", "ess", "logprob_diff_max_abs", "grad_norm"):
         assert key in updated[0], key
-    # On-policy: engine and trainer share the weights, so their logprobs agree closely.
-    assert max(r["logprob_diff_max_abs"] for r in updated) < 1e-3
+    # Tokens sampled by the weights the trainer holds: engine and trainer logprobs agree closely.
+    parity = [r["logprob_parity_max_abs"] for r in updated if "logprob_parity_max_abs" in r]
+    assert parity and max(parity) < 1e-3, parity
+    # Stale tokens exist (generation ran ahead) and are importance-weighted, not mistaken for parity.
+    assert any(r["logprob_parity_token_frac"] < 1 for r in updated)
+    assert all(r["lag_steps_max"] <= 1 for r in train)
     assert (run_dir / "curves.png").stat().st_size > 1000
     assert (run_dir / "checkpoint" / "model.safetensors").is_file()

@@ -62,7 +62,7 @@ def parts_for(cfg: RunConfig, warmed) -> LoopParts:
     model.load_state_dict(state)
     return LoopParts(
         build_engine(cfg, model, tokenizer),
-        build_trainer(model, tokenizer, cfg.trainer),
+        build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps),
         ChatFormat(tokenizer),
         env_factory(cfg),
     )

@@ -14,6 +14,8 @@ import torch
 from inflight.models import load_model
 from inflight.trainer import LossConfig, MicroBatch, Trainer, TrainerConfig
 from inflight.trainer.checkpoint import load_checkpoint, save_checkpoint
+from inflight.trainer.config import lr_at
+from inflight.trainer.trainer import sampled_by
 from inflight.types import TrainSample
 
 
@@ -125,6 +127,36 @@ def test_trained_position_logprobs_match_a_full_forward(tiny_model_dir: Path) ->
     assert metrics["is_weight_min"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_sampled_by_marks_whole_replies_of_one_version() -> None:
+    mask = [0, 1, 1, 0, 0, 1, 1, 1, 0, 1]
+    versions = [-1, 3, 3, -1, -1, 3, 4, 4, -1, 4]
+    # Reply 1 is all version 3; reply 2 changed weights mid-reply (a stale KV prefix for its later tokens).
+    assert sampled_by(versions, mask, 3) == [False, True, True] + [False] * 7
+    assert sampled_by(versions, mask, 4) == [False] * 9 + [True]
+    assert sampled_by(versions, mask, None) == [False] * 10
+
+
+def test_logprob_parity_is_measured_on_the_trainers_own_tokens_only(tiny_model_dir: Path) -> None:
+    """Stale tokens differ from the trainer by the policy change; tokens of its own version must not."""
+    model = load_model(tiny_model_dir)
+    samples = make_samples(6, vocab=2048, seed=4)
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            logits = model(input_ids=torch.tensor([s.token_ids])).logits[0, :-1]
+            targets = torch.tensor(s.token_ids[1:])[:, None]
+            lp = torch.log_softmax(logits.double(), -1).gather(1, targets)[:, 0]
+            stale = i % 2 == 1  # sampled by version 7 of other weights: shifted logprobs
+            s.behaviour_logprobs = [0.0] + [
+                (float(x) - 0.3 * stale) * m for x, m in zip(lp, s.loss_mask[1:], strict=True)
+            ]
+            s.versions = [(7 if stale else 0) if m else -1 for m in s.loss_mask]
+    metrics = Trainer(model, TrainerConfig(micro_batch_size=4)).forward_backward(samples)
+    assert metrics["logprob_diff_max_abs"] == pytest.approx(0.3, abs=1e-4)
+    assert metrics["logprob_parity_max_abs"] < 1e-5
+    own = sum(sum(s.loss_mask[1:]) for i, s in enumerate(samples) if i % 2 == 0)
+    assert metrics["logprob_parity_token_frac"] == pytest.approx(own / metrics["num_tokens"])
+
+
 def test_samples_without_trained_tokens_are_skipped_not_fatal(tiny_model_dir: Path) -> None:
     trainer = Trainer(load_model(tiny_model_dir), TrainerConfig(micro_batch_size=2))
     empty = TrainSample([5, 6, 7], [0.0, 0.0, 0.0], [0.0] * 3, [0.0] * 3, [-1] * 3)
@@ -132,3 +164,35 @@ def test_samples_without_trained_tokens_are_skipped_not_fatal(tiny_model_dir: Pa
     metrics = trainer.forward_backward(samples)
     assert metrics["num_samples"] == 5.0 and metrics["num_tokens"] > 0
     assert any(p.grad is not None for p in trainer.model.parameters())
+
+
+def test_linear_lr_schedule_values() -> None:
+    cfg = TrainerConfig(lr=1e-3, lr_schedule="linear", lr_final_frac=0.1, lr_decay_steps=10)
+    assert lr_at(cfg, 0) == pytest.approx(1e-3)
+    assert lr_at(cfg, 5) == pytest.approx(1e-3 * (1 - 0.9 * 0.5))
+    assert lr_at(cfg, 10) == pytest.approx(1e-4)
+    assert lr_at(cfg, 50) == pytest.approx(1e-4)  # flat after the decay
+    assert lr_at(TrainerConfig(lr=2e-4), 123) == 2e-4
+    with pytest.raises(ValueError, match="lr_decay_steps"):
+        lr_at(TrainerConfig(lr_schedule="linear"), 0)
+    with pytest.raises(ValueError, match="lr_final_frac"):
+        TrainerConfig(lr_final_frac=1.5)
+
+
+def test_the_schedule_drives_the_optimizer_and_survives_a_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = TrainerConfig(
+        lr=1e-3, lr_schedule="linear", lr_final_frac=0.0, lr_decay_steps=4, micro_batch_size=8
+    )
+    trainer = Trainer(load_model(tiny_model_dir), cfg)
+    samples = make_samples(4, vocab=2048)
+    lrs = [trainer.train_step(samples)["lr"] for _ in range(2)]
+    assert lrs == pytest.approx([1e-3, 0.75e-3])
+    save_checkpoint(trainer, tmp_path / "ckpt")
+    restored = Trainer(load_model(tiny_model_dir), cfg)
+    load_checkpoint(restored, tmp_path / "ckpt")
+    assert restored.train_step(samples)["lr"] == pytest.approx(0.5e-3)
+    assert restored.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+    with pytest.raises(ValueError, match="lr_decay_steps"):
+        Trainer(load_model(tiny_model_dir), TrainerConfig(lr_schedule="linear"))

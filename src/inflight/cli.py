@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="train with a recipe",
         description="Train with a recipe, e.g. `inflight run blackjack grpo.steps=100 trainer.lr=3e-4`. "
-        "Overrides are dotted config keys (see --list-keys). Prints one JSON summary line at the end.",
+        "Overrides are dotted config keys (see --list-keys). Runs the asynchronous pipeline by default "
+        "(mode=async); mode=sync runs the on-policy reference loop. Prints one JSON summary line at the end.",
     )
     run.add_argument(
         "recipe", nargs="?", help="recipe name: blackjack, guess_number, arithmetic, math, code, tools"

@@ -87,6 +87,9 @@ class PipelineConfig(_Config):
     max_staleness_steps: int | None = 1
     max_groups_in_flight: int = 64  # prompts being rolled out at once (x group_size rollouts)
     active_sampling: bool = True  # drop all-equal-reward groups and keep drawing until a batch is full
+    # ...but after this many batches' worth of groups were dropped for one batch, let uninformative groups
+    # through (that step trains on fewer groups, or is skipped and counted, as in the sync loop); 0 = never.
+    active_sampling_max_filtered_batches: int = Field(default=4, ge=0)
     # Where finished groups go before the trainer takes them: None = a file log in the run directory
     # (what a restart resumes from); "memory://name"; "redis://host:port/db?key=name".
     stream_url: str | None = None
@@ -100,7 +103,8 @@ class PipelineConfig(_Config):
 
 class RunConfig(_Config):
     recipe: str = "blackjack"
-    mode: Literal["sync", "async"] = "sync"
+    # async: the pipeline (orchestrator/pipeline.py); sync: the on-policy reference loop (sync_loop.py).
+    mode: Literal["sync", "async"] = "async"
     run_dir: str | None = None  # None = runs/<recipe>-<timestamp>
     seed: int = 0
     checkpoint_every_steps: int = 0  # 0 = only at the end

@@ -25,7 +25,14 @@ them implies (I) on the truth. k = 0 is the synchronous loop: B prompts at versi
 nothing is admitted until the engine runs v + 1. k = None lifts the bound (then only
 `max_buffered_groups` limits how far generation runs ahead). Should a caller break (I) anyway (a trainer
 version that jumps, groups recovered after a restart without admission), groups the bound no longer
-allows are dropped when they arrive or fall due, and counted as `stale_dropped`.
+allows are dropped when they arrive or fall due, and counted as `stale_dropped`. A step the trainer skips
+(nothing informative to train on) leaves its version where it was: `step_done` says so, and t comes back
+down (with k = 0 the engine would otherwise wait for a version that never comes).
+
+Active sampling drops groups whose rewards are all equal (no GRPO signal) and keeps drawing. When a
+policy gives no signal at all (a task too hard or too easy for it), drawing would never end: after
+`max_filtered_per_batch` groups were filtered for one batch, uninformative groups are let through
+(`filter_passed`), and the trainer skips or shrinks that step as the sync loop does.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from typing import Any
 
 from inflight.buffer.codec import decode_group, encode_group
 from inflight.buffer.metrics import lag_histogram
-from inflight.types import RolloutGroup
+from inflight.types import Rollout, RolloutGroup
 
 _STATE_FORMAT = 1
 
@@ -54,6 +61,7 @@ class BufferCounters:
     cancelled: int = 0  # admitted prompts that produced nothing (their rollout raised)
     put: int = 0  # groups delivered by put()
     filtered: int = 0  # groups dropped by active sampling: all rewards equal, no GRPO signal
+    filter_passed: int = 0  # uninformative groups let through: the batch's filter budget was spent
     stale_dropped: int = 0  # groups too old for the staleness bound when they arrived or were due
     consumed: int = 0  # groups handed to the trainer in batches
     batches: int = 0
@@ -73,6 +81,7 @@ class RolloutBuffer:
         max_staleness_steps: int | None,
         active_sampling: bool = True,
         max_buffered_groups: int | None = None,
+        max_filtered_per_batch: int | None = None,
     ) -> None:
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
@@ -85,10 +94,15 @@ class RolloutBuffer:
                 f"max_buffered_groups={max_buffered_groups} < groups_per_step={groups_per_step}: a batch "
                 "could never fill; raise max_buffered_groups or set it to None"
             )
+        if max_filtered_per_batch is not None and max_filtered_per_batch < 0:
+            raise ValueError(f"max_filtered_per_batch must be >= 0 or None, got {max_filtered_per_batch}")
         self.groups_per_step = groups_per_step
         self.max_staleness_steps = max_staleness_steps
         self.active_sampling = active_sampling
         self.max_buffered_groups = max_buffered_groups
+        self.max_filtered_per_batch = max_filtered_per_batch  # None = filter forever
+        self._filtered_this_batch = 0
+        self._drawn: list[Rollout] = []  # every rollout put since the last take_drawn(), filtered too
         self.counters = BufferCounters()
         self._in_flight_floors: list[int] = []  # engine version at admission, one per prompt in flight
         # Oldest first: (version floor, arrival order, group); groups without generated tokens sort last.
@@ -158,12 +172,20 @@ class RolloutBuffer:
                     self._next_version = max(self._next_version, trainer_version + 1)
                     self.counters.consumed += len(batch)
                     self.counters.batches += 1
+                    self._filtered_this_batch = 0
                     self._changed.notify_all()
                     return batch
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(self._timeout_message(trainer_version, timeout_s))
                 self._changed.wait(remaining)
+
+    def step_done(self, trainer_version: int) -> None:
+        """The trainer finished a step and is at `trainer_version` now: one more than at `get_batch`, or the
+        same when it skipped the step. The next batch trains at that version (see the module docstring)."""
+        with self._changed:
+            self._next_version = trainer_version
+            self._changed.notify_all()
 
     def wait_changed(self, timeout_s: float) -> None:
         """Block until a put/cancel/batch changes what admit() may answer, or timeout_s passes (no error:
@@ -186,6 +208,13 @@ class RolloutBuffer:
             out["buffer/in_flight"] = float(len(self._in_flight_floors))
             out["buffer/buffered"] = float(len(self._buffered))
         return out
+
+    def take_drawn(self) -> list[Rollout]:
+        """Every rollout that arrived since the last call, filtered or not: what the policy did. (With
+        active sampling a batch over-represents the groups whose rewards differ.)"""
+        with self._changed:
+            drawn, self._drawn = self._drawn, []
+            return drawn
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -226,10 +255,17 @@ class RolloutBuffer:
 
     def _accept(self, group: RolloutGroup) -> None:
         self.counters.put += 1
+        self._drawn.extend(group.rollouts)
         floor = _version_floor(group)
+        budget = self.max_filtered_per_batch
         if self.active_sampling and not group.is_informative:
-            self.counters.filtered += 1
-        elif self._too_stale(floor, self._next_version):
+            if budget is None or self._filtered_this_batch < budget:
+                self.counters.filtered += 1
+                self._filtered_this_batch += 1
+                self._changed.notify_all()
+                return
+            self.counters.filter_passed += 1
+        if self._too_stale(floor, self._next_version):
             self.counters.stale_dropped += 1
         else:
             key = math.inf if floor is None else floor

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -112,7 +113,9 @@ class _Pipeline:
     def __init__(self, parts: PipelineParts, cfg: RunConfig, logger: MetricsLogger, run_dir: Path) -> None:
         self.parts, self.cfg, self.logger, self.run_dir = parts, cfg, logger, run_dir
         p = cfg.pipeline
-        self.buffer = RolloutBuffer(cfg.grpo.prompts_per_step, p.max_staleness_steps, p.active_sampling)
+        per_step = cfg.grpo.prompts_per_step
+        budget = p.active_sampling_max_filtered_batches * per_step or None  # None: filter forever
+        self.buffer = RolloutBuffer(per_step, p.max_staleness_steps, p.active_sampling, None, budget)
         self.state = _State()
         self.start_step = self._resume()
         self.stream = open_stream(p.stream_url or f"file://{(run_dir / 'streams' / 'results').resolve()}")
@@ -274,7 +277,10 @@ class _Pipeline:
                 batch = self.next_batch()
                 t_wait = time.perf_counter() - t0
                 batch.sort(key=lambda g: _problem_order(g.group_id))  # the sync loop's order: same sums
-                metrics = rollout_metrics([r for g in batch for r in g.rollouts])
+                trained = [r for g in batch for r in g.rollouts]
+                # Rewards and env metrics of every rollout drawn since the last step, as in the sync loop.
+                metrics = rollout_metrics(self.buffer.take_drawn() or trained)
+                metrics["reward_mean_batch"] = statistics.fmean(r.reward for r in trained)
                 with self.state.lock:
                     metrics.update(self.buffer.step_metrics(batch, trainer.version))
                     metrics["rollout_errors"] = float(self.state.rollout_errors)
@@ -290,6 +296,7 @@ class _Pipeline:
                     metrics["weight_publish_s"] = time.perf_counter() - t1
                 else:
                     metrics["steps_skipped"] = 1.0  # nothing informative: no update, counted
+                self.buffer.step_done(trainer.version)
                 step_s = time.perf_counter() - t0
                 metrics.update(
                     version=float(trainer.version),

@@ -58,7 +58,12 @@ def pad_id(tokenizer: object) -> int:
     return int(pad) if pad is not None else 0
 
 
-def build_trainer(model: torch.nn.Module, tokenizer: object, config: TrainerConfig) -> Trainer:
+def build_trainer(
+    model: torch.nn.Module, tokenizer: object, config: TrainerConfig, run_steps: int | None = None
+) -> Trainer:
+    """`run_steps`: the run's optimizer steps, the span of a decaying lr left at lr_decay_steps=0."""
+    if config.lr_schedule != "constant" and not config.lr_decay_steps and run_steps:
+        config = config.model_copy(update={"lr_decay_steps": run_steps})
     return Trainer(model, config, pad_id=pad_id(tokenizer))
 
 

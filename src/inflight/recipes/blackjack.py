@@ -17,11 +17,16 @@ from inflight.trainer import TrainerConfig
 
 
 def preset() -> RunConfig:
-    """Defaults measured on a 2-core CPU (docs/benchmarks.md): about 6 minutes end to end."""
+    """Defaults measured on a 2-core CPU (docs/benchmarks.md), in the default mode (the asynchronous
+    pipeline with active sampling: every batch is 16 groups whose rewards differ)."""
     return RunConfig(
         recipe="blackjack",
         trainer=TrainerConfig(
             lr=3e-4,
+            # Decays to 3e-5 by the last step: the greedy policy's choice in close states flipped from
+            # one evaluation to the next at a constant lr (docs/benchmarks.md).
+            lr_schedule="linear",
+            lr_final_frac=0.1,
             micro_batch_size=32,
             # Seeds collapsed to always-stand without the entropy bonus and KL floor (see tiny_model_loss).
             loss=tiny_model_loss(entropy_coef=0.3),
@@ -29,7 +34,7 @@ def preset() -> RunConfig:
         sampling=SamplingConfig(temperature=1.0, max_tokens_per_turn=4),
         # Std-normalised group advantages: groups of low totals, whose rewards differ little, weigh as
         # much as the high totals, whose busts dominate the raw reward spread.
-        grpo=GRPOConfig(steps=400, prompts_per_step=16, group_size=8, advantage="mean_std", max_turns=8),
+        grpo=GRPOConfig(steps=300, prompts_per_step=16, group_size=8, advantage="mean_std", max_turns=8),
         # Next-token prediction on transcripts of random legal play: the tiny model learns to read
         # the cards and to answer `hit`/`stand`; the replies are random, never the strategy.
         warmup=WarmupConfig(sft_steps=100, sft_batch_size=64, sft_lr=3e-3, tokens="all"),

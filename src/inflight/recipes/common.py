@@ -140,7 +140,8 @@ def run_recipe(cfg: RunConfig, evaluate: Evaluate, warmup_reply: WarmupReply | N
 
     if cfg.warmup.sft_steps:
         format_warmup(model, pad_id(tokenizer), chat, new_env, cfg, logger, warmup_reply)
-    trainer = build_trainer(model, tokenizer, cfg.trainer)  # after the warm-up: reference = warmed-up model
+    # After the warm-up: the reference model is the warmed-up model.
+    trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
     parts = LoopParts(build_engine(cfg, model, tokenizer), trainer, chat, new_env)
 
     initial = evaluate(parts, cfg, cfg.eval.num_episodes)

@@ -176,7 +176,7 @@ def main(cfg: RunConfig) -> dict:
             cfg,
             logger,
         )
-    trainer = build_trainer(model, tokenizer, cfg.trainer)
+    trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
     engine = build_engine(cfg, model, tokenizer)
     initial = evaluate(engine, chat, cfg, cfg.eval.num_episodes)
     logger.log(0, initial, phase="eval")

@@ -45,6 +45,11 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lr: float = 1e-4
+    # constant, or linear from lr down to lr * lr_final_frac over lr_decay_steps optimizer steps (then
+    # flat). A run (`inflight run`) sets lr_decay_steps = grpo.steps when it is left at 0.
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    lr_final_frac: float = 0.1
+    lr_decay_steps: int = 0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
@@ -59,8 +64,27 @@ class TrainerConfig(BaseModel):
     def _check(self) -> TrainerConfig:
         if self.lr <= 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if not 0 <= self.lr_final_frac <= 1:
+            raise ValueError(f"trainer.lr_final_frac must be in [0, 1], got {self.lr_final_frac}")
+        if self.lr_decay_steps < 0:
+            raise ValueError(f"trainer.lr_decay_steps must be >= 0, got {self.lr_decay_steps}")
         if self.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.temperature <= 0:
             raise ValueError("trainer.temperature must be > 0 (greedy sampling has no logprobs to correct)")
         return self
+
+
+def lr_at(config: TrainerConfig, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based: the trainer's version before the step).
+
+    A pure function of the step, so a resumed run continues the schedule from its checkpoint's version.
+    """
+    if config.lr_schedule == "constant":
+        return config.lr
+    if config.lr_decay_steps < 1:
+        raise ValueError(
+            "trainer.lr_schedule=linear needs trainer.lr_decay_steps >= 1 (the steps to decay over)"
+        )
+    progress = min(step / config.lr_decay_steps, 1.0)
+    return config.lr * (1.0 - (1.0 - config.lr_final_frac) * progress)

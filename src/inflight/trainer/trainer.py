@@ -24,7 +24,7 @@ from inflight.losses import (
     token_logprobs,
     top_k_entropy_from_logits,
 )
-from inflight.trainer.config import TrainerConfig
+from inflight.trainer.config import TrainerConfig, lr_at
 from inflight.types import TrainSample
 
 
@@ -38,9 +38,14 @@ class MicroBatch:
     mask: torch.Tensor  # [B, T] loss weight of target t+1
     behaviour_logprobs: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B, T]
+    # [B, T] bool: target t+1 was sampled by weights of version `current_version` on a prefix those same
+    # weights computed (its whole reply was); there, engine and trainer logprobs must agree exactly.
+    current: torch.Tensor
 
     @classmethod
-    def collate(cls, samples: Sequence[TrainSample], pad_id: int = 0) -> MicroBatch:
+    def collate(
+        cls, samples: Sequence[TrainSample], pad_id: int = 0, current_version: int | None = None
+    ) -> MicroBatch:
         width = max(len(s.token_ids) for s in samples) - 1
         if width < 1:
             raise ValueError("every TrainSample needs at least 2 tokens (a context and a target)")
@@ -58,7 +63,32 @@ class MicroBatch:
             mask=pad([s.loss_mask[1:] for s in samples], torch.float32),
             behaviour_logprobs=pad([s.behaviour_logprobs[1:] for s in samples], torch.float32),
             advantages=pad([s.advantages[1:] for s in samples], torch.float32),
+            current=pad(
+                [sampled_by(s.versions, s.loss_mask, current_version)[1:] for s in samples], torch.bool
+            ),
         )
+
+
+def sampled_by(versions: Sequence[int], loss_mask: Sequence[float], version: int | None) -> list[bool]:
+    """Per token: trained, and its reply (a run of trained tokens) was sampled by `version` throughout.
+
+    A reply starts with a prefill and its first token in one engine step, so an update between its
+    tokens is the only way its KV prefix can come from other weights (`kv_policy=keep`); a reply all of
+    one version has none. Multi-turn prompts are re-prefilled every turn.
+    """
+    out = [False] * len(versions)
+    start = 0
+    while start < len(versions):
+        if not loss_mask[start]:
+            start += 1
+            continue
+        end = start
+        while end < len(versions) and loss_mask[end]:
+            end += 1
+        if version is not None and all(v == version for v in versions[start:end]):
+            out[start:end] = [True] * (end - start)
+        start = end
+    return out
 
 
 class Trainer:
@@ -69,6 +99,7 @@ class Trainer:
         self.config = config
         self.pad_id = pad_id
         self.version = 0
+        lr_at(config, 0)  # a schedule that cannot run fails here, not at the first step
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -132,7 +163,7 @@ class Trainer:
         # so the order does not change the result.
         ordered = sorted(samples, key=lambda s: len(s.token_ids))
         for start in range(0, len(ordered), cfg.micro_batch_size):
-            mb = MicroBatch.collate(ordered[start : start + cfg.micro_batch_size], self.pad_id)
+            mb = MicroBatch.collate(ordered[start : start + cfg.micro_batch_size], self.pad_id, self.version)
             mb_tokens = float(mb.mask.sum())
             where = mb.mask.nonzero(as_tuple=True)
             if not where[0].numel():  # nothing trained here (e.g. an episode over before any action)
@@ -180,6 +211,13 @@ class Trainer:
                 sums["kl"] += float((kl.detach() * mb.mask).sum())
             loss.backward()
 
+            # Engine-vs-trainer parity where it must hold exactly: tokens of the trainer's own weights.
+            current = mb.current & (mb.mask > 0)
+            if current.any():
+                gap = float((lp.detach() - mb.behaviour_logprobs)[current].abs().max())
+                maxima["logprob_parity_max_abs"] = max(maxima.get("logprob_parity_max_abs", gap), gap)
+            sums["logprob_parity_token_frac"] += float(current.sum())
+
             sums["loss"] += float(loss.detach())  # reductions already use the step's global denominators
             sums["entropy"] += float((entropy.detach() * mb.mask).sum())
             for key, value in out.metrics.items():
@@ -206,10 +244,13 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        lr = lr_at(self.config, self.version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        return {"grad_norm": grad_norm}
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         t0 = time.perf_counter()
