@@ -144,9 +144,12 @@ def test_batched_multi_adapter_pass_equals_one_by_one_runs(tiny_model_dir):
         g1, g2 = batched.adapter_gradients(model_id), serial.adapter_gradients(model_id)
         assert sum(float(g.abs().sum()) for g in g1.values()) > 0
         for key in g1:
-            # float32 sums in another order: tolerances relative to the gradient's own scale
+            # float32 sums in another order: tolerances relative to the gradient's own scale. Entries four
+            # orders of magnitude below the largest differ by up to ~1.5e-5 of it (how much depends on
+            # the rounding of the log-softmax kernel in use); a routing or accumulation bug differs by
+            # the order of the scale itself.
             scale = float(g2[key].abs().max())
-            torch.testing.assert_close(g1[key], g2[key], rtol=1e-4, atol=1e-5 * scale)
+            torch.testing.assert_close(g1[key], g2[key], rtol=1e-4, atol=1e-4 * scale)
 
 
 def test_losses_are_sums_without_normalisation(engine):
