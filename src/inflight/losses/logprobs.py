@@ -74,6 +74,7 @@ class _TokenLogprobs(torch.autograd.Function):
             if grad_logits_N_V is None:  # one chunk: it is the gradient
                 return chunk_R_V.to(logits_N_V.dtype), None, None
             grad_logits_N_V[rows] = chunk_R_V
+        assert grad_logits_N_V is not None  # several chunks
         return grad_logits_N_V, None, None
 
 
