@@ -177,6 +177,24 @@ def add_linear(x: Tensor, a: Tensor, weight: Tensor, bias: Tensor | None) -> Ten
     return out if bias is None else out.add_(bias)
 
 
+# At most this many rows (tokens), gate_up_linear runs gate and up as a batch of two matmuls: MKL does not
+# thread a matmul this small, while a batched matmul puts one matrix on each thread (8-64 decode rows,
+# widths 128 -> 2 x 512, two threads: 1.2-1.6x the plain matmul; a whole bench-engine generate 7% faster,
+# A/B alternating in one process). From a few hundred rows MKL threads the plain matmul as well. The same
+# split of the LM head gains nothing: its two halves must be copied back into one [n, V] tensor.
+_SPLIT_GATE_UP_MAX_ROWS = 256
+
+
+def gate_up_linear(x: Tensor, gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """(x W_gate^T, x W_up^T) for x [n, hidden] and the stacked gate_up [2 * inter, hidden]."""
+    n = x.shape[0]
+    if n > _SPLIT_GATE_UP_MAX_ROWS or torch.get_num_threads() < 2:
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return gate, up
+    out = torch.bmm(x.expand(2, n, x.shape[1]), gate_up.view(2, -1, x.shape[1]).transpose(1, 2))
+    return out[0], out[1]
+
+
 class ModelRunner:
     """Prefill and decode over cache rows; `weights` is replaced wholesale by the engine."""
 
@@ -290,8 +308,8 @@ class ModelRunner:
                 qk = torch.cat([rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)], dim=2)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=2)  # q and k heads rotated in one pass
             x = add_linear(x, attend(i, q, k, v), lw.o_proj, lw.o_bias)
-            gate, up = F.linear(rms_norm(x, lw.post_norm, eps), lw.gate_up).chunk(2, dim=-1)
-            # In place into the gate half: no new activation buffers (the matmul reads the strided view).
+            gate, up = gate_up_linear(rms_norm(x, lw.post_norm, eps), lw.gate_up)
+            # In place into the gate half: no new activation buffers.
             x = add_linear(x, F.silu(gate, inplace=True).mul_(up), lw.down, None)
         return x
 
