@@ -54,6 +54,8 @@ def _layer(seed: int = 0) -> tuple[nn.Linear, LoraRouter, MultiLoraLinear]:
         [0, 1, 2, 3, 1, 0],  # unsorted runs of 1 row: chunks of one row, each gathering its A/B
         [0, 0, 1, 1, 2, 2, 3, 3],  # sorted equal runs: each slot is one chunk, the stacks used as they are
         [1, 1, 1, 1, 0, 0],  # runs of 4 and 2, unsorted: chunks of 2 rows (gcd), gathered and permuted
+        [0, 0, 0],  # one adapter for every row: its own A/B, fused into the base layer
+        [0, 0, 1, 1, 3, 3],  # sorted runs of 2 that take their A/B by gather (slot 2 has no rows)
     ],
 )
 # Ranks 2 and 4: A/B zero-padded to one rank, scales 16 and 8 folded into B; rank 32 twice: scale 1, as is.
@@ -63,26 +65,43 @@ def test_mixed_adapters_per_row_match_the_explicit_formula_in_value_and_gradient
     a1, a2 = _adapter(ranks[0], seed=1), _adapter(ranks[1], seed=2)
     other = LoraAdapter.create({"elsewhere": (IN, OUT)}, rank=3, seed=3)  # does not train "layer"
     slots = [a1, a2, other, None]
-    x = torch.randn(len(row_slot), tokens, IN)
+    x = torch.randn(len(row_slot), tokens, IN, requires_grad=True)
     with router.use(LoraPlan(slots, row_slot)):
         y = layer(x)
     expected_adapters = [slots[s] for s in row_slot]
     torch.testing.assert_close(y, _explicit(base, x, expected_adapters, "layer"))
 
-    # Gradients: the same scalar through the batched layer and through the explicit formula.
+    # Gradients (adapters' A and B, and the input's): the same scalar through the batched layer and
+    # through the explicit formula.
     weights = torch.randn_like(y)
     (y * weights).sum().backward()
-    batched = {
-        name: t.grad.clone() for name, t in [("a1A", a1.modules["layer"][0]), ("a2B", a2.modules["layer"][1])]
-    }
-    for adapter in (a1, a2):
-        for t in adapter.parameters():
-            t.grad = None
+    tensors = {"a1A": a1.modules["layer"][0], "a1B": a1.modules["layer"][1]}
+    tensors |= {"a2A": a2.modules["layer"][0], "a2B": a2.modules["layer"][1], "x": x}
+    batched = {name: None if t.grad is None else t.grad.clone() for name, t in tensors.items()}
+    for t in tensors.values():
+        t.grad = None
     (_explicit(base, x, expected_adapters, "layer") * weights).sum().backward()
-    torch.testing.assert_close(batched["a1A"], a1.modules["layer"][0].grad)
-    torch.testing.assert_close(batched["a2B"], a2.modules["layer"][1].grad)
-    assert float(a1.modules["layer"][0].grad.abs().sum()) > 0
+    for name, t in tensors.items():
+        torch.testing.assert_close(batched[name], t.grad, msg=name)
+    assert float(batched["x"].abs().sum()) > 0 and float(batched["a1A"].abs().sum()) > 0
     assert other.modules["elsewhere"][0].grad is None  # untouched: it never reached this layer
+
+
+@pytest.mark.parametrize(
+    ("row_slot", "tokens", "fused"),
+    [
+        ([0, 0, 1, 1], 4, True),  # the engine's usual batch: sorted equal runs
+        ([1, 1, 1], 4, True),  # one adapter
+        ([0, 1, 1, 0], 4, False),  # unsorted: the rows would need a permutation
+        ([0, 0, 1, 1, 3, 3], 1, False),  # decode rows that gather weights: the grouped form
+    ],
+)
+def test_sorted_rows_run_lora_fused_into_the_base_layer(row_slot, tokens, fused):
+    _, router, layer = _layer()
+    slots = [_adapter(4, seed=1), _adapter(4, seed=2), None, _adapter(2, seed=3)]
+    with router.use(LoraPlan(slots, row_slot)):
+        y = layer(torch.randn(len(row_slot), tokens, IN))
+    assert (type(y.grad_fn).__name__ == "LoraLinearFunctionBackward") == fused
 
 
 @settings(max_examples=40, deadline=None)

@@ -27,10 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from inflight.models.lora_adapter import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoraAdapter
 
@@ -102,6 +104,34 @@ class LoraPlan:
         if len(self._segments) == 1 or (x.shape[1] == 1 and self._chunk_slot is not None):
             return self._grouped(module, x)
         return self._gathered(module, x)
+
+    def fused_operands(self, module: str, x: Tensor, base: nn.Linear) -> tuple[Tensor, Tensor] | None:
+        """(A [C, R, in], scale-folded B [C, out, R]) when `module`'s LoRA can run fused into its base layer
+        (`LoraLinearFunction`): the rows come in slot order as C equal chunks of one adapter each, one
+        dtype throughout, and a frozen base. None: use `delta` (any other case)."""
+        if x.dim() != 3 or x.shape[0] != self.num_rows or self._permutation is not None:
+            return None
+        if base.weight.requires_grad or x.dtype != base.weight.dtype:
+            return None
+        if len(self._segments) == 1:  # one adapter for every row: its own A/B, at its own rank
+            adapter = self.slots[self._segments[0][0]]
+            if adapter is None or module not in adapter.modules:
+                return None
+            a, b = adapter.modules[module]
+            b = b if adapter.scale == 1.0 else b * adapter.scale
+            operands = (a[None], b[None])
+        elif x.shape[1] == 1 and self._chunk_slot is not None:  # decode rows that gather weights: grouped
+            return None
+        else:
+            stacks = self._stacked(module)
+            if stacks is None:
+                return None
+            if self._chunk_slot is not None:  # unequal runs: chunks of gcd rows, each takes its adapter's A/B
+                if self._chunk_slot.device != x.device:  # moved once, not once per layer
+                    self._chunk_slot = self._chunk_slot.to(x.device)
+                stacks = (stacks[0][self._chunk_slot], stacks[1][self._chunk_slot])
+            operands = stacks
+        return operands if operands[0].dtype == x.dtype else None
 
     def _grouped(self, module: str, x: Tensor) -> Tensor:
         """Two plain matmuls per run of rows with the same adapter."""
@@ -184,6 +214,45 @@ class LoraPlan:
         return torch.stack(a_list), b_S_O_R
 
 
+class LoraLinearFunction(torch.autograd.Function):
+    """y = x W^T + bias + B_c A_c x for the rows of chunk c, as one autograd node over a frozen base layer.
+
+    The same math as `MultiLoraLinear`'s two-step form (base layer, then `LoraPlan.delta` added), but the
+    LoRA product accumulates into the base output inside the batched matmul (`baddbmm_`, beta = 1) and,
+    in backward, into the input gradient of the base layer: no [tokens, out] sum in forward and no
+    [tokens, in] sum in backward, and one autograd node instead of about six. 8 adapters x 2 rows x 64
+    tokens over the tiny model, forward + backward: ~10% faster (A/B alternating in one process).
+    Hand-written because no library fuses a per-chunk LoRA into its base matmul on CPU.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, a_C_R_I: Tensor, b_C_O_R: Tensor
+    ) -> Tensor:
+        chunks = a_C_R_I.shape[0]
+        x_C_N_I = x.reshape(chunks, -1, x.shape[-1])
+        out = F.linear(x, weight, bias)  # a new contiguous tensor: the LoRA term accumulates into it
+        h_C_N_R = torch.bmm(x_C_N_I, a_C_R_I.transpose(1, 2))
+        out.view(chunks, -1, out.shape[-1]).baddbmm_(h_C_N_R, b_C_O_R.transpose(1, 2))
+        ctx.save_for_backward(x_C_N_I, h_C_N_R, weight, a_C_R_I, b_C_O_R)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None, Tensor, Tensor]:
+        x_C_N_I, h_C_N_R, weight, a_C_R_I, b_C_O_R = ctx.saved_tensors
+        g_C_N_O = grad_out.reshape(b_C_O_R.shape[0], -1, grad_out.shape[-1])
+        grad_h_C_N_R = torch.bmm(g_C_N_O, b_C_O_R)
+        grad_b = torch.bmm(g_C_N_O.transpose(1, 2), h_C_N_R)
+        grad_a = torch.bmm(grad_h_C_N_R.transpose(1, 2), x_C_N_I)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x_M_I = torch.mm(grad_out.reshape(-1, grad_out.shape[-1]), weight)
+            grad_x_M_I.view_as(x_C_N_I).baddbmm_(grad_h_C_N_R, a_C_R_I)
+            grad_x = grad_x_M_I.view(*grad_out.shape[:-1], weight.shape[1])
+        return grad_x, None, None, grad_a, grad_b
+
+
 class LoraRouter:
     """Shared by all `MultiLoraLinear` layers of one model: holds the plan of the forward pass running now.
 
@@ -226,10 +295,14 @@ class MultiLoraLinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.base(x)
         plan = self.router.plan
         if plan is None:
-            return out
+            return self.base(x)
+        operands = plan.fused_operands(self.name, x, self.base)
+        if operands is not None:
+            output: Tensor = LoraLinearFunction.apply(x, self.base.weight, self.base.bias, *operands)
+            return output
+        out = self.base(x)
         delta = plan.delta(self.name, x)
         return out if delta is None else out + delta.to(out.dtype)
 
