@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each, best kept")
     parser.add_argument("--top-k", type=int, default=0, help="applied to both (0 = off)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="for both")

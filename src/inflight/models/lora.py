@@ -19,7 +19,11 @@ adapter form a run (the engine sorts rows by adapter).
   matmuls at its own rank. 64 decode rows of 8 adapters, one run of 57 rows and seven of 1: 4.6 ms
   against 18.6 ms gathered (per-row weight copies dominate); in 8 equal runs of 8 rows the gathered
   form wins, 3.0 ms against 4.7.
-On a GPU a fused segmented kernel (Punica's SGMV) would beat both; that is out of scope here.
+When the rows come sorted (no permutation), the base layer is frozen and the form is gathered (but for
+decode rows that gather weights) or a single adapter, `LoraLinearFunction` runs the layer and its LoRA as
+one autograd node, accumulating the LoRA product into the base output and input
+gradient (see there). On a GPU a fused segmented kernel (Punica's SGMV) would beat both; that is out of
+scope here.
 """
 
 from __future__ import annotations
