@@ -14,7 +14,8 @@ from torch.autograd.function import once_differentiable
 
 # Rows per chunk are chosen so one float32 chunk of logits holds about this many elements (64 MiB).
 # Forward and backward each hold one such chunk at a time, so neither ever materialises a float32
-# copy of the whole [B,T,V] logits: autograd saves the caller's logits and one float per row.
+# copy of the whole [B,T,V] logits: autograd saves only the caller's logits (and the targets); the
+# backward recomputes each chunk's softmax from them.
 _CHUNK_ELEMENTS = 1 << 24
 
 
