@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig, Engine
+from inflight.inference.qwen2 import gate_up_linear
 from inflight.inference.sampling import sample
 from inflight.types import SampleRequest, SamplingParams, WeightUpdate
 
@@ -98,6 +99,22 @@ def test_logprob_parity_with_hf_forward(arch: str, tie: bool, temperature: float
             max_diff(out.logprobs, hf_logprobs(model, req.prompt_token_ids, out.token_ids, temperature))
             < 1e-4
         )
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])  # <= 256 rows: one matmul per thread; more: one matmul
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gate_up_linear_equals_the_stacked_matmul(rows: int, threads: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x, gate_up = torch.randn(rows, 16, generator=generator), torch.randn(2 * 24, 16, generator=generator)
+    expected_gate, expected_up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gate, up = gate_up_linear(x, gate_up)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(gate, expected_gate)
+    torch.testing.assert_close(up, expected_up)
 
 
 def test_truncated_logprobs_are_renormalised(model) -> None:
