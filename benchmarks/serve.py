@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="engine micro-batch (padded tokens); default: the engine's",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="base weights, as `inflight serve --dtype` (default: the service's, float32)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         from inflight.models import build_tiny
 
         args.model = str(build_tiny(tempfile.mkdtemp(prefix="inflight-bench-serve-"), preset="tiny"))
-    config = ServiceEngineConfig(seed=0, max_batch_tokens=args.max_batch_tokens)
+    config = ServiceEngineConfig(seed=0, max_batch_tokens=args.max_batch_tokens, dtype=args.dtype)
     engine = ServiceEngine({"bench": args.model}, max_rank=max(64, args.rank), config=config)
     vocab = engine.model_info("bench")["vocab_size"]
     generator = torch.Generator().manual_seed(1)
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_datum": args.tokens,
         "rank": args.rank,
         "max_batch_tokens": engine.max_batch_tokens,
+        "dtype": engine.model_info("bench")["dtype"],
         "samples_per_request": args.samples,
         "threads": torch.get_num_threads(),
         "timing": f"best of {args.repeats} after a warm-up, batched and serial alternating",

@@ -76,3 +76,15 @@ def test_model_tiny_command_writes_a_model(tmp_path: Path) -> None:
     assert main(["model", "tiny", "--out", str(tmp_path / "m"), "--seed", "3"]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
     assert (tmp_path / "m" / "tokenizer.json").is_file()
+
+
+def test_serve_passes_its_options_to_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inflight.api.app
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(inflight.api.app, "serve", lambda **kwargs: seen.update(kwargs))
+    assert main(["serve", "--base-model", "tiny=/models/tiny", "--dtype", "bfloat16", "--port", "9001"]) == 0
+    assert seen["dtype"] == "bfloat16" and seen["port"] == 9001
+    assert seen["base_models"] == {"tiny": "/models/tiny"}
+    assert main(["serve", "--base-model", "tiny=/models/tiny"]) == 0
+    assert seen["dtype"] == "float32"  # the default: exact, and batch-independent seeded sampling

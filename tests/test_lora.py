@@ -123,6 +123,41 @@ def test_any_assignment_of_rows_to_adapters_matches_the_explicit_formula(ranks, 
     torch.testing.assert_close(y, _explicit(base, x, [slots[s] for s in row_slot], "layer"))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_bfloat16_base_rounds_a_row_alike_in_any_batch_and_trains_float32_adapters(tokens):
+    """bfloat16 base weights with float32 adapters: the LoRA matmuls run in bfloat16 (as under autocast) and
+    a row's output is bit for bit the same alone (the fused node) or among other adapters' rows in any
+    order (the grouped form without autograd), so seeded sampling cannot depend on the batch; gradients
+    come back to the float32 adapters, close to the float32 formula."""
+    base, router, layer = _layer()
+    base.to(torch.bfloat16)
+    a1, a2 = _adapter(4, seed=1), _adapter(2, seed=2)
+    x = torch.randn(1, tokens, IN).bfloat16()
+    others = torch.randn(3, tokens, IN).bfloat16()
+    with torch.no_grad():
+        with router.use(LoraPlan([a1], [0])):
+            alone = layer(x)
+        for row_slot in ([1, 0, 2, 1], [0, 1, 1, 2]):  # unsorted, and sorted runs of unequal length
+            batch = torch.cat([others[:1], x, others[1:]]) if row_slot[1] == 0 else torch.cat([x, others])
+            row = row_slot.index(0)
+            with router.use(LoraPlan([a1, a2, None], row_slot)):
+                assert torch.equal(layer(batch)[row], alone[0])
+
+    x.requires_grad_(True)
+    with router.use(LoraPlan([a1, a2], [0, 1])):
+        y = layer(torch.cat([x, others[:1]]))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    a, b = a1.modules["layer"]
+    grad_a, grad_b = a.grad, b.grad
+    assert grad_a is not None and grad_b is not None and grad_a.dtype == grad_b.dtype == torch.float32
+    a.grad = b.grad = None
+    x32 = x.detach().float()
+    (a1.scale * (x32 @ a.T @ b.T)).sum().backward()
+    torch.testing.assert_close(grad_a, a.grad, rtol=0.02, atol=0.02 * float(a.grad.abs().max()))
+    torch.testing.assert_close(grad_b, b.grad, rtol=0.02, atol=0.02 * float(b.grad.abs().max()))
+
+
 def test_no_plan_or_no_adapter_is_exactly_the_base_layer():
     base, router, layer = _layer()
     x = torch.randn(3, 2, IN)

@@ -75,6 +75,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_keys=list(args.api_key),
         state_dir=args.state_dir,
+        dtype=args.dtype,
     )
     return 0
 
@@ -151,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="accepted X-API-Key (repeatable); without one the server only listens on loopback",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="base weights' precision; LoRA adapters and their optimizer state stay float32. bfloat16 "
+        "trains big batches faster on a GPU or a CPU with AVX512-BF16/AMX, but a seeded sample may then "
+        "change with the rest of its batch (default float32)",
     )
     serve.set_defaults(func=_cmd_serve)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+DtypeName = Literal["float32", "bfloat16"]  # a model's weight precision
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from inflight.api.jobs import BaseModelLimits
 from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, ServiceConfig, ServiceState
 from inflight.api.worker import EngineWorker, WorkerConfig
 from inflight.errors import UserError
+from inflight.types import DtypeName
 
 if TYPE_CHECKING:
     import uvicorn
@@ -76,9 +77,14 @@ def _start(
 ) -> tuple[ServiceState, EngineWorker]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     if engine is None:
-        from inflight.api.engine import ServiceEngine  # torch + transformers: only when serving
+        # torch + transformers: only when serving
+        from inflight.api.engine import ServiceEngine, ServiceEngineConfig
 
-        engine = ServiceEngine(config.base_models, max_rank=config.max_lora_rank)
+        engine = ServiceEngine(
+            config.base_models,
+            max_rank=config.max_lora_rank,
+            config=ServiceEngineConfig(dtype=config.dtype),
+        )
     base_models = {name: _base_model_info(engine, name) for name in engine.base_model_names()}
     db = Database(config.database_url)
     checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
@@ -142,6 +148,7 @@ def serve(
     port: int,
     api_keys: list[str],
     state_dir: str,
+    dtype: DtypeName = "float32",
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys."""
     if not api_keys and not is_loopback(host):
@@ -152,7 +159,7 @@ def serve(
     import uvicorn
 
     config = ServiceConfig(
-        base_models=base_models, db_url=db_url, state_dir=Path(state_dir), api_keys=api_keys
+        base_models=base_models, db_url=db_url, state_dir=Path(state_dir), api_keys=api_keys, dtype=dtype
     )
     uvicorn.run(create_app(config), host=host, port=port, log_level="info")
 

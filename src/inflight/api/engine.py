@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,9 +47,11 @@ from inflight.api.engine_types import (
     SampleOutput,
 )
 from inflight.errors import UserError
-from inflight.models.loader import load_model, load_tokenizer, resolve
+from inflight.models.attention import use_cpu_float32_attention
+from inflight.models.loader import load_model, load_tokenizer, native_bfloat16, resolve, torch_dtype
 from inflight.models.lora import LoraRouter, attach_multi_lora
 from inflight.models.lora_adapter import LoraAdapter, select_targets
+from inflight.types import DtypeName
 
 __all__ = [
     "Datum",
@@ -71,7 +73,11 @@ class ServiceEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     device: str = "cpu"  # torch device of base models and adapters, e.g. "cuda:0"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # base weights; adapters and optimizer stay float32
+    # Base weights; adapters and their optimizer stay float32 (the LoRA matmuls run in the base dtype, as
+    # under autocast). bfloat16 on a CPU with AVX512-BF16: batched training ~1.4x the float32 throughput,
+    # but small requests and sampling slower, and a seeded sample may change with the rest of its batch
+    # (rounding); hence float32 by default (numbers in docs/benchmarks.md).
+    dtype: DtypeName = "float32"
     # Padded tokens (rows x longest row) per forward/backward pass: bounds activation memory, which has no
     # checkpointing (a 7B model keeps a few MB per token). None: 2048 on CPU, where passes of 4096+ tokens
     # ran ~15% slower per token (caches spill; 256-2048 were alike), and 8192 on an accelerator.
@@ -126,7 +132,12 @@ class ServiceEngine:
         self.config = config or ServiceEngineConfig()
         self.max_rank = max_rank
         self._device = torch.device(self.config.device)
-        self._dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
+        self._dtype = torch_dtype(self.config.dtype)
+        if self._dtype == torch.bfloat16 and not native_bfloat16(self._device):
+            log.warning(
+                "%s has no native bfloat16 matmuls: bfloat16 weights run slower than float32 here",
+                self._device,
+            )
         self._bases = {name: self._load_base(name, source) for name, source in base_models.items()}
         self._trained: dict[str, _Trained] = {}
         self._frozen: dict[str, _Frozen] = {}
@@ -172,6 +183,7 @@ class ServiceEngine:
             "hidden_size": config.hidden_size,
             "max_lora_rank": self.max_rank,
             "source": base.source,
+            "dtype": str(self._dtype).removeprefix("torch."),
         }
 
     # ---- adapters ----------------------------------------------------------------------------------
@@ -368,6 +380,9 @@ class ServiceEngine:
         config = hf_model.config
         model: torch.nn.Module = hf_model
         model.to(self._device).eval()
+        if self._dtype != torch.float32:
+            use_cpu_float32_attention(hf_model)  # no-op off CPU
+        log.info("base model %r from %s: %s weights on %s", name, source, self._dtype, self._device)
         router, shapes = attach_multi_lora(model)
         max_context = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
         if self.config.max_context_tokens is not None:

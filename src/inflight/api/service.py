@@ -23,6 +23,7 @@ from inflight.api.db import Database, ModelRow, SessionRow
 from inflight.api.futures import FutureStore
 from inflight.api.jobs import BaseModelLimits
 from inflight.errors import UserError
+from inflight.types import DtypeName
 
 # The SDK gives up on a retrieve_future after 45 s and then backs off for up to 30 s (spec §3).
 SDK_RETRIEVE_TIMEOUT_S = 45.0
@@ -38,6 +39,7 @@ class ServiceConfig(BaseModel):
     long_poll_hold_s: float = Field(default=25.0, gt=0)
     max_request_bytes: int = Field(default=64 * 2**20, ge=1024)
     max_lora_rank: int = Field(default=64, ge=1)
+    dtype: DtypeName = "float32"  # base weights: see ServiceEngineConfig.dtype
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
     max_num_samples: int = Field(default=256, ge=1)  # per sample request
     # How far past the model's highest seq_id a request may land (a bigger jump is surely a client bug).

@@ -11,6 +11,22 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from inflight.errors import UserError
+from inflight.types import DtypeName
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 matrices in hardware: a CUDA GPU that supports it, or a CPU with
+    AVX512-BF16 or AMX-BF16 (elsewhere PyTorch emulates bfloat16 matmuls, slower than float32)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type == "cpu":
+        capabilities = torch.cpu.get_capabilities()
+        return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
+    return False
+
+
+def torch_dtype(name: DtypeName) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def _looks_like_path(name_or_path: str | Path) -> bool:
