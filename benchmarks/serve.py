@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="base weights, as `inflight serve --dtype` (default: the service's, float32)",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="base weights, as `inflight serve --dtype` (default: the service's, auto)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -22,6 +22,7 @@ from inflight.api.app import BackgroundServer, create_app, serve
 from inflight.api.service import ServiceConfig
 from inflight.api.worker import WorkerConfig
 from inflight.errors import UserError
+from inflight.models.loader import resolve_dtype
 
 pytestmark = pytest.mark.slow
 types = tinker.types
@@ -101,8 +102,10 @@ def test_forward_equals_base_model_and_training_lowers_the_loss(service, tokens,
     first = training.forward([datum], "cross_entropy").result()
     lp = logprobs_of(first)
     assert lp.shape == (len(tokens) - 1,)
-    # B = 0 at init: a fresh adapter is the base model, token for token.
-    torch.testing.assert_close(lp, reference_logprobs(tiny_model_dir, tokens), atol=1e-4, rtol=0)
+    # B = 0 at init: a fresh adapter is the base model, token for token (up to the rounding of the
+    # service's default dtype, "auto": bfloat16 on a CPU with AVX512-BF16).
+    atol = 1e-4 if resolve_dtype("auto", torch.device("cpu")) == torch.float32 else 0.03
+    torch.testing.assert_close(lp, reference_logprobs(tiny_model_dir, tokens), atol=atol, rtol=0)
     assert first.metrics["loss:sum"] == pytest.approx(-(weights * lp).sum().item(), rel=1e-5)
 
     losses, before = [], first.metrics["loss:sum"]

@@ -87,4 +87,4 @@ def test_serve_passes_its_options_to_the_service(monkeypatch: pytest.MonkeyPatch
     assert seen["dtype"] == "bfloat16" and seen["port"] == 9001
     assert seen["base_models"] == {"tiny": "/models/tiny"}
     assert main(["serve", "--base-model", "tiny=/models/tiny"]) == 0
-    assert seen["dtype"] == "float32"  # the default: exact, and batch-independent seeded sampling
+    assert seen["dtype"] == "auto"

@@ -153,3 +153,43 @@ def test_missing_local_path_is_a_user_error(name: str, tmp_path: Path) -> None:
 def test_unknown_preset_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="tiny, small"):
         build_tiny(tmp_path / "x", preset="huge")
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [
+        ({"avx512_bf16": True, "amx_bf16": False}, True),
+        ({"amx_bf16": True}, True),
+        ({"avx512_bw": True}, False),
+    ],
+)
+def test_native_bfloat16_and_auto_dtype_read_the_cpu_flags(
+    monkeypatch: pytest.MonkeyPatch, flags: dict, native: bool
+) -> None:
+    from inflight.models.loader import native_bfloat16, resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+    cpu = torch.device("cpu")
+    assert native_bfloat16(cpu) is native
+    assert native_bfloat16(torch.device("meta")) is False
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    assert (resolve_dtype("float32", cpu), resolve_dtype("bfloat16", cpu)) == (torch.float32, torch.bfloat16)
+
+
+def test_cpu_float32_attention_keeps_float32_and_upcasts_bfloat16(tiny_dir: Path) -> None:
+    """Switching a model to the CPU float32 attention leaves a float32 model's logits bit for bit as they
+    were, and gives a bfloat16 model float32 attention: logits within bfloat16's rounding of float32's."""
+    from inflight.models.attention import CPU_FLOAT32_SDPA, use_cpu_float32_attention
+
+    ids = torch.tensor([[5, 17, 300, 42, 9, 1000, 77, 3]])
+    full = load_model(tiny_dir).eval()
+    with torch.no_grad():
+        expected = full(input_ids=ids).logits
+        use_cpu_float32_attention(full)
+        assert full.config._attn_implementation == CPU_FLOAT32_SDPA
+        assert torch.equal(full(input_ids=ids).logits, expected)
+        half = load_model(tiny_dir, dtype=torch.bfloat16).eval()
+        use_cpu_float32_attention(half)
+        logits = half(input_ids=ids).logits
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), expected, rtol=0, atol=0.05)

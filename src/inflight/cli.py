@@ -155,11 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="base weights' precision; LoRA adapters and their optimizer state stay float32. bfloat16 "
-        "trains big batches faster on a GPU or a CPU with AVX512-BF16/AMX, but a seeded sample may then "
-        "change with the rest of its batch (default float32)",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="base weights' precision; LoRA adapters and their optimizer state stay float32 (default auto: "
+        "bfloat16 where the device multiplies it natively, i.e. a CUDA GPU or a CPU with AVX512-BF16/AMX, "
+        "else float32)",
     )
     serve.set_defaults(func=_cmd_serve)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
-DtypeName = Literal["float32", "bfloat16"]  # a model's weight precision
+# A model's weight precision; "auto": bfloat16 where the device multiplies it natively, else float32.
+DtypeName = Literal["auto", "float32", "bfloat16"]
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def serve(
     port: int,
     api_keys: list[str],
     state_dir: str,
-    dtype: DtypeName = "float32",
+    dtype: DtypeName = "auto",
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys."""
     if not api_keys and not is_loopback(host):

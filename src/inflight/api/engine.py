@@ -48,7 +48,7 @@ from inflight.api.engine_types import (
 )
 from inflight.errors import UserError
 from inflight.models.attention import use_cpu_float32_attention
-from inflight.models.loader import load_model, load_tokenizer, native_bfloat16, resolve, torch_dtype
+from inflight.models.loader import load_model, load_tokenizer, native_bfloat16, resolve, resolve_dtype
 from inflight.models.lora import LoraRouter, attach_multi_lora
 from inflight.models.lora_adapter import LoraAdapter, select_targets
 from inflight.types import DtypeName
@@ -74,10 +74,10 @@ class ServiceEngineConfig(BaseModel):
 
     device: str = "cpu"  # torch device of base models and adapters, e.g. "cuda:0"
     # Base weights; adapters and their optimizer stay float32 (the LoRA matmuls run in the base dtype, as
-    # under autocast). bfloat16 on a CPU with AVX512-BF16: batched training ~1.4x the float32 throughput,
-    # but small requests and sampling slower, and a seeded sample may change with the rest of its batch
-    # (rounding); hence float32 by default (numbers in docs/benchmarks.md).
-    dtype: DtypeName = "float32"
+    # under autocast). "auto": bfloat16 where the device multiplies it natively (a CUDA GPU, a CPU with
+    # AVX512-BF16 or AMX), else float32. Tiny model on this CPU (docs/benchmarks.md): bfloat16 trains
+    # batches ~1.25x faster than float32; small single requests and sampling run 10-20% slower.
+    dtype: DtypeName = "auto"
     # Padded tokens (rows x longest row) per forward/backward pass: bounds activation memory, which has no
     # checkpointing (a 7B model keeps a few MB per token). None: 2048 on CPU, where passes of 4096+ tokens
     # ran ~15% slower per token (caches spill; 256-2048 were alike), and 8192 on an accelerator.
@@ -132,7 +132,7 @@ class ServiceEngine:
         self.config = config or ServiceEngineConfig()
         self.max_rank = max_rank
         self._device = torch.device(self.config.device)
-        self._dtype = torch_dtype(self.config.dtype)
+        self._dtype = resolve_dtype(self.config.dtype, self._device)
         if self._dtype == torch.bfloat16 and not native_bfloat16(self._device):
             log.warning(
                 "%s has no native bfloat16 matmuls: bfloat16 weights run slower than float32 here",

@@ -39,7 +39,7 @@ class ServiceConfig(BaseModel):
     long_poll_hold_s: float = Field(default=25.0, gt=0)
     max_request_bytes: int = Field(default=64 * 2**20, ge=1024)
     max_lora_rank: int = Field(default=64, ge=1)
-    dtype: DtypeName = "float32"  # base weights: see ServiceEngineConfig.dtype
+    dtype: DtypeName = "auto"  # base weights: see ServiceEngineConfig.dtype
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
     max_num_samples: int = Field(default=256, ge=1)  # per sample request
     # How far past the model's highest seq_id a request may land (a bigger jump is surely a client bug).

@@ -25,7 +25,11 @@ def native_bfloat16(device: torch.device) -> bool:
     return False
 
 
-def torch_dtype(name: DtypeName) -> torch.dtype:
+def resolve_dtype(name: DtypeName, device: torch.device) -> torch.dtype:
+    """The weight dtype `name` means on `device`: "auto" is bfloat16 where `native_bfloat16(device)`, else
+    float32 (as vLLM's "auto" runs a float32 checkpoint in the platform's half precision)."""
+    if name == "auto":
+        return torch.bfloat16 if native_bfloat16(device) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
