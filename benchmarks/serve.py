@@ -8,8 +8,8 @@ adapter); "serial" makes one call per job. Same engine, same jobs, same total wo
 after a warm-up, alternating. `ratio_batched_vs_serial` = serial seconds / batched seconds. The same
 comparison for sampling (one job of --samples sequences per adapter) is reported as
 `sample_ratio_batched_vs_serial`. Prints one JSON line last.
-Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64]` (default model: the tiny preset,
-built locally).
+Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64 --dtype auto]` (default model: the tiny
+preset, built locally; dtype as `inflight serve --dtype`, reported in the JSON).
 """
 
 from __future__ import annotations
