@@ -152,6 +152,8 @@ class LoraPlan:
         chunk, whatever the batch. Sampling decodes through here and through the fused node; a sequence
         then rounds alike alone or in any batch, which keeps seeded samples batch-independent in bfloat16
         (a separate LoRA sum rounds twice)."""
+        if not any(s is not None and module in s.modules for s in self.slots):
+            return F.linear(x, base.weight, base.bias)
         xs = self._to_slot_order(x)
         out = F.linear(xs, base.weight, base.bias)
         out_2d = out.view(-1, out.shape[-1])
