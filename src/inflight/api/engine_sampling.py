@@ -13,6 +13,7 @@ model distribution (vLLM's default), not the temperature-scaled or truncated one
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -27,6 +28,12 @@ from inflight.inference.sampling import sample
 from inflight.models.lora import LoraPlan, LoraRouter
 from inflight.models.lora_adapter import LoraAdapter
 from inflight.types import SamplingParams
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` in recent transformers 5.x, which deprecates
+    `past_key_values` (removed in 5.40); `past_key_values` before it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -185,6 +192,7 @@ class _Generation:
             and (self.items[i].job.prompt_logprobs or self.items[i].job.topk_prompt_logprobs > 0)
         ]
         cache = DynamicCache()
+        cache_kwarg = {_cache_kwarg(self.model): cache}
         plan = LoraPlan(self.slots, [self.items[i].slot for i in unique])
         positions = (prompts.mask.cumsum(-1) - 1).clamp_min(0)
         with self.router.use(plan):
@@ -192,7 +200,7 @@ class _Generation:
                 input_ids=prompts.ids,
                 attention_mask=prompts.mask,
                 position_ids=positions,
-                past_key_values=cache,
+                **cache_kwarg,
                 use_cache=True,
                 logits_to_keep=0 if want else 1,  # 0 = every position, for the prompt logprobs
             ).logits
@@ -223,7 +231,7 @@ class _Generation:
                     input_ids=tokens,
                     attention_mask=mask,
                     position_ids=next_position[:, None],
-                    past_key_values=cache,
+                    **cache_kwarg,
                     use_cache=True,
                     logits_to_keep=1,
                 ).logits[:, -1]
