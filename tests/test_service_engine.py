@@ -502,10 +502,10 @@ def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(tiny_model_dir
     assert [s.tokens for s in chunked.sequences] == tokens
 
 
-@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-4), ("bfloat16", 0.02)])
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-4), ("bfloat16", 1e-3)])
 def test_sampled_and_prompt_logprobs_equal_the_training_forward(tiny_model_dir, dtype, atol):
-    """Up to rounding: a decode step's one-token matmuls may round bfloat16 differently from the training
-    pass's (measured: within 4e-3)."""
+    """Up to rounding: a decode step's one-token matmuls could round differently from the training pass's
+    (measured: equal on this CPU in both dtypes, the LoRA term accumulating in place on both paths)."""
     engine = _engine(tiny_model_dir, dtype=dtype)
     engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=1, train_unembed=True))
     _train(engine, "m", steps=2)
