@@ -368,7 +368,7 @@ class MultiLoraLinear(nn.Module):
         if operands is not None:
             output: Tensor = LoraLinearFunction.apply(x, self.base.weight, self.base.bias, *operands)
             return output
-        if not torch.is_grad_enabled() and x.dtype == self.base.weight.dtype:
+        if not torch.is_grad_enabled():
             return plan.apply_grouped(self.name, x, self.base)
         out = self.base(x)
         delta = plan.delta(self.name, x)
