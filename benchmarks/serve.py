@@ -24,9 +24,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
+
+from inflight.types import DtypeName
 
 
 def _best_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--dtype",
-        choices=("auto", "float32", "bfloat16"),
+        choices=get_args(DtypeName),
         default="auto",
         help="base weights, as `inflight serve --dtype` (default: the service's, auto)",
     )

@@ -11,8 +11,10 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from typing import get_args
 
 from inflight.errors import UserError
+from inflight.types import DtypeName
 
 BENCHMARKS = ("engine", "grpo", "pipeline", "serve", "sandbox")
 
@@ -155,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--dtype",
-        choices=("auto", "float32", "bfloat16"),
+        choices=get_args(DtypeName),
         default="auto",
         help="base weights' precision; LoRA adapters and their optimizer state stay float32 (default auto: "
         "bfloat16 where the device multiplies it natively, i.e. a CUDA GPU or a CPU with AVX512-BF16/AMX, "
