@@ -1,9 +1,14 @@
 """Bad input never crashes the service: hypothesis throws random and malformed JSON and protobuf bodies,
-unknown ids, bad and repeated seq ids, oversize bodies and out-of-vocabulary token ids at a live server.
+unknown ids, bad and repeated seq ids, oversize bodies and out-of-vocabulary token ids at a live server, and
+the hostile families a security review found: integers far beyond every bound (2^63, 10^12, a 4,000-digit
+number) in every numeric field, extreme floats, lone UTF-16 surrogates in every string, and query parameters
+and path segments no database or decoder takes.
 
 Every answer must be a 4xx, or a future that fails with category `user` (never a 5xx, never a `server`
-failure, never an error caught in the worker loop), and the server must still serve an SDK client after.
-Reference: issue 4 "Bad input"; spec §3 (failures as HTTP 200 + category), §6 (protobuf).
+failure, never an error caught in the worker loop), every future settles (none stays running), and the server
+must still serve an SDK client after. Bounded: ~60 examples per family, loopback only.
+Reference: issue 4 "Bad input", the hardening issue "No 5xx for client errors"; spec §3 (failures as
+HTTP 200 + category), §6 (protobuf).
 """
 
 from __future__ import annotations
@@ -116,6 +121,9 @@ def fuzzed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield Fuzzed(server)
 
 
+HUGE_INTS = st.sampled_from([2**31, 2**32, 2**63 - 1, 2**63, 2**64, 10**12, 10**30, -(2**63) - 1, 10**4000])
+EXTREME_FLOATS = st.sampled_from([5e-324, 1e-300, 1e-40, 1e-6, 1e38, 1e300, 1.7976931348623157e308, -1e-300])
+LONE_SURROGATES = st.sampled_from(["\ud800", "x\udfff", "\udc80abc", "ok\ud83d"])  # unpaired halves
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
@@ -216,19 +224,157 @@ def test_near_valid_sample_requests(fuzzed: Fuzzed, data: st.DataObject) -> None
         ),
         "sampling_params": st.fixed_dictionaries(
             {
-                "max_tokens": st.integers(-1, 0) | st.just(10**9),
-                "temperature": st.floats(-2, -0.1) | st.just(float("nan")),
-                "top_k": st.integers(-5, 0),
+                "max_tokens": st.integers(-1, 0) | st.just(10**9) | HUGE_INTS,
+                "temperature": st.floats(-2, -0.1) | st.just(float("nan")) | EXTREME_FLOATS,
+                "top_k": st.integers(-5, 0) | HUGE_INTS | st.integers(VOCAB - 1, VOCAB + 1),
                 "top_p": st.floats(-1, 0) | st.floats(1.01, 3),
                 "seed": st.integers(2**62 + 1, 2**80),
                 "stop": st.lists(st.integers(-3, -1) | st.integers(VOCAB, VOCAB + 3), min_size=1, max_size=2),
             }
         ),
-        "prompt_logprobs_last_n": st.integers(-1, 10),
+        "prompt_logprobs_last_n": st.integers(-1, 10) | HUGE_INTS,
+        "topk_prompt_logprobs": HUGE_INTS | st.integers(VOCAB - 1, VOCAB + 1),
         "topk_sample_logprobs": st.integers(1, 3),
         "record_stability_info": st.just(True),
     }
     fuzzed.post("asample", json=mutated(data, valid, junk))
+
+
+def _with_surrogate(data: st.DataObject, value: Any) -> Any:
+    """`value` with one string (a value, or a dict key) replaced by or extended with a lone surrogate."""
+    bad = data.draw(LONE_SURROGATES)
+    if isinstance(value, str):
+        return value + bad if data.draw(st.booleans()) else bad
+    if isinstance(value, dict) and value:
+        key = data.draw(st.sampled_from(sorted(value)))
+        if data.draw(st.booleans()):
+            return {**value, key: _with_surrogate(data, value[key])}
+        return {**value, bad: value[key]}
+    if isinstance(value, list) and value:
+        i = data.draw(st.integers(0, len(value) - 1))
+        return [*value[:i], _with_surrogate(data, value[i]), *value[i + 1 :]]
+    return bad
+
+
+@FUZZ
+@given(data=st.data())
+def test_lone_surrogates_in_any_string(fuzzed: Fuzzed, data: st.DataObject) -> None:
+    """JSON's \\ud800 escapes decode to strings no database, file name or UTF-8 encoder takes."""
+    bodies = {
+        "create_session": {
+            "tags": ["a", "b"],
+            "user_metadata": {"k": "v", "n": {"deep": ["x"]}},
+            "sdk_version": "0.38.0",
+            "project_id": "p",
+            "display_name": "d",
+        },
+        "create_model": {
+            "session_id": fuzzed.session_id,
+            "model_seq_id": data.draw(st.integers(5, 60)),
+            "base_model": BASE,
+            "user_metadata": {"k": "v"},
+        },
+        "save_weights": {"model_id": fuzzed.model_id, "seq_id": data.draw(st.integers(1, 70)), "path": "ck"},
+        "load_weights": {"model_id": fuzzed.model_id, "seq_id": 1, "path": "tinker://x/weights/y"},
+        "weights_info": {"tinker_path": "tinker://x/weights/y"},
+        "retrieve_future": {"request_id": "12"},
+        "create_sampling_session": {
+            "session_id": fuzzed.session_id,
+            "sampling_session_seq_id": 9,
+            "base_model": BASE,
+        },
+        "asample": {
+            "sampling_session_id": fuzzed.sampler_id,
+            "seq_id": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+            "sampling_params": {"max_tokens": 2, "stop": ["x", "yz"]},
+        },
+        f"sessions/{fuzzed.session_id}/finish": {"reason": {"type": "success"}, "detail": "done"},
+    }
+    route = data.draw(st.sampled_from(sorted(bodies)))
+    body = _with_surrogate(data, bodies[route])
+    response = fuzzed.post(route, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert response.status_code in (200, 400, 404, 422), response.text
+
+
+@FUZZ
+@given(data=st.data())
+def test_hostile_numbers_in_any_numeric_field(fuzzed: Fuzzed, data: st.DataObject) -> None:
+    number = HUGE_INTS | EXTREME_FLOATS | st.integers(-(2**70), 2**70)
+    bodies = {
+        "create_model": {"session_id": fuzzed.session_id, "model_seq_id": number, "base_model": BASE},
+        "optim_step": {
+            "model_id": fuzzed.model_id,
+            "seq_id": number,
+            "adam_params": {"learning_rate": number},
+        },
+        "save_weights": {"model_id": fuzzed.model_id, "seq_id": 3, "path": "n", "ttl_seconds": number},
+        "save_weights_for_sampler": {
+            "model_id": fuzzed.model_id,
+            "seq_id": number,
+            "sampling_session_seq_id": number,
+        },
+        "create_sampling_session": {
+            "session_id": fuzzed.session_id,
+            "sampling_session_seq_id": number,
+            "base_model": BASE,
+        },
+        "asample": {
+            "sampling_session_id": fuzzed.sampler_id,
+            "seq_id": number,
+            "num_samples": number,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, number]}]},
+            "sampling_params": {
+                "max_tokens": number,
+                "top_k": number,
+                "top_p": number,
+                "temperature": number,
+            },
+            "topk_prompt_logprobs": number,
+            "prompt_logprobs_last_n": number,
+        },
+        "create_model ": {  # a LoRA of absurd rank or seed
+            "session_id": fuzzed.session_id,
+            "model_seq_id": 70,
+            "base_model": BASE,
+            "lora_config": {"rank": number, "seed": number},
+        },
+    }
+    route = data.draw(st.sampled_from(sorted(bodies)))
+    template = bodies[route]
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, st.SearchStrategy):
+            return data.draw(value)
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        return value
+
+    fuzzed.post(route.strip(), json=fill(template))
+
+
+@FUZZ
+@given(
+    offset=HUGE_INTS.map(str) | st.sampled_from(["-1", "1e3", "x", "", "0x10", "\u0661"]),
+    limit=HUGE_INTS.map(str) | st.sampled_from(["0", "-5", "1001", "nan", "1"]),
+    segment=st.sampled_from(["%ff", "%ed%a0%80", "%c0%af", "%00", "..%2f..", "a%2fb", "%e2%82"]),
+)
+def test_hostile_query_parameters_and_path_segments(
+    fuzzed: Fuzzed, offset: str, limit: str, segment: str
+) -> None:
+    answers = [
+        fuzzed.http.get("training_runs", params={"offset": offset, "limit": limit}),
+        fuzzed.http.get(f"training_runs/{segment}"),
+        fuzzed.http.get(f"training_runs/{segment}/checkpoints"),
+        fuzzed.http.delete(f"training_runs/{fuzzed.model_id}/checkpoints/weights/{segment}"),
+        fuzzed.http.get(f"samplers/{segment}"),
+        fuzzed.http.post(f"sessions/{segment}/finish", json={}),
+    ]
+    for response in answers:
+        fuzzed.statuses.append(response.status_code)
+        assert response.status_code < 500, (response.request.url, response.status_code, response.text)
 
 
 def _packed(dtype: str, values: st.SearchStrategy[Any], size: int) -> st.SearchStrategy[bytes]:

@@ -674,5 +674,6 @@ def test_a_fault_in_the_batched_pass_fails_its_jobs_not_the_engine(engine, monke
         patch.setattr(engine_module, "run_forward_backward", broken)
         results = engine.forward_backward([job, job, ForwardBackwardJob("m", [], "cross_entropy")])
     assert [type(r) for r in results] == [RuntimeError, RuntimeError, UserError]
-    assert engine.counters["failed_batches"] == 1
+    # The batch of two fails, then each job alone (a fault fails only the jobs that cause it).
+    assert engine.counters["failed_batches"] == 3 and engine.counters["batches_split"] == 1
     assert _ok(engine.forward_backward([job])[0]).metrics["loss:sum"] > 0  # and the next call works

@@ -32,6 +32,7 @@ from inflight.api.jobs import BaseModelLimits
 from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, ServiceConfig, ServiceState
 from inflight.api.worker import EngineWorker, WorkerConfig
 from inflight.errors import UserError
+from inflight.preflight import bind_port, check_database, check_model_dir, ensure_dir, serve_on
 from inflight.types import DtypeName
 
 if TYPE_CHECKING:
@@ -90,7 +91,9 @@ def _start(
     checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
     board = CompletionBoard()
     worker_config = worker_config or WorkerConfig(
-        default_max_tokens=config.default_max_tokens, max_num_samples=config.max_num_samples
+        default_max_tokens=config.default_max_tokens,
+        max_num_samples=config.max_num_samples,
+        max_topk_logprobs=config.max_topk_logprobs,
     )
     worker = EngineWorker(
         engine,
@@ -150,18 +153,35 @@ def serve(
     state_dir: str,
     dtype: DtypeName = "auto",
 ) -> None:
-    """`inflight serve`: refuses to listen beyond loopback without API keys."""
+    """`inflight serve`: refuses to listen beyond loopback without API keys.
+
+    Everything a user gave is checked before the base models load (state dir, database, model directories,
+    port), and the models load before uvicorn starts, so each mistake is one line and exit code 2.
+    """
     if not api_keys and not is_loopback(host):
         raise UserError(
             f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "
             "sample. Pass --api-key KEY (clients send it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
         )
-    import uvicorn
-
     config = ServiceConfig(
         base_models=base_models, db_url=db_url, state_dir=Path(state_dir), api_keys=api_keys, dtype=dtype
     )
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+    ensure_dir(config.state_dir, "--state-dir")
+    check_database(config.database_url, "--db" if db_url else "the database in --state-dir")
+    for path in base_models.values():
+        check_model_dir(path)
+    with contextlib.closing(bind_port(host, port)) as sock:
+        app = create_app(config, engine=load_engine(config))
+        serve_on(sock, app, host, port, log_level="info")
+
+
+def load_engine(config: ServiceConfig) -> ServiceEngine:
+    """The base models of `config`, loaded (torch + transformers are imported here, not at import time)."""
+    from inflight.api.engine import ServiceEngine, ServiceEngineConfig
+
+    return ServiceEngine(
+        config.base_models, max_rank=config.max_lora_rank, config=ServiceEngineConfig(dtype=config.dtype)
+    )
 
 
 class BackgroundServer:

@@ -8,28 +8,50 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import socket
+from collections.abc import Sequence
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from inflight.errors import UserError
 
 OPEN_PATHS = frozenset({"/api/v1/healthz"})  # load balancers probe without a key
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost: it may resolve anywhere
+    """Whether binding `host` listens on loopback only: every address it resolves to (as the bind would
+    resolve it) is a loopback one. Aliases such as 127.1, 127.0.0.2, ::1 and localhost count; an empty host,
+    0.0.0.0, :: and any name that resolves elsewhere (or not at all) do not."""
+    if not host.strip():
         return False
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):  # unresolvable: the bind would fail anyway, and it is not provably local
+        return False
+    addresses = {str(info[4][0]).partition("%")[0] for info in infos}  # drop an IPv6 zone (fe80::1%eth0)
+    return bool(addresses) and all(ipaddress.ip_address(address).is_loopback for address in addresses)
+
+
+def check_api_keys(api_keys: Sequence[str]) -> list[str]:
+    """The keys, refused (UserError) if any is empty or blank: an empty key would read as "no key" and
+    switch authentication off."""
+    blank = [i for i, key in enumerate(api_keys) if not key.strip()]
+    if blank:
+        raise UserError(
+            f"API key #{blank[0] + 1} is empty or blank, which would turn authentication off: pass a real "
+            "secret with --api-key (e.g. from `openssl rand -hex 32`), or no --api-key on a loopback host"
+        )
+    return list(api_keys)
 
 
 class ApiKeyMiddleware:
-    """401 unless `X-API-Key` is one of the configured keys (compared in constant time)."""
+    """401 unless `X-API-Key` is one of the configured keys (compared in constant time). With no keys
+    configured every route is open (a loopback-only server; `serve` refuses a public bind then)."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
-        self.api_keys = [key.encode() for key in api_keys]
+        self.api_keys = [key.encode() for key in check_api_keys(api_keys)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.api_keys or scope["path"] in OPEN_PATHS:

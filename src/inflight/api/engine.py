@@ -145,7 +145,7 @@ class ServiceEngine:
         self._generator = torch.Generator().manual_seed(seed)
         self._tokenizer_tmp: tempfile.TemporaryDirectory | None = None
         # Batched passes that raised (each failed all its jobs with a server error), for the metrics.
-        self.counters: dict[str, int] = {"failed_batches": 0}
+        self.counters: dict[str, int] = {"failed_batches": 0, "batches_split": 0}
 
     @property
     def max_batch_tokens(self) -> int:
@@ -232,26 +232,51 @@ class ServiceEngine:
                 continue
             groups[trained.base_model].append((i, FbWork(prepared, slot=0), trained.adapter))
         for base_name, items in groups.items():
-            slots = _assign_slots([(work, adapter) for _, work, adapter in items])
-            base = self._bases[base_name]
-            try:
-                outputs: Sequence[ForwardBackwardOutput | Exception] = run_forward_backward(
-                    base.model,
-                    base.router,
-                    slots,
-                    [work for _, work, _ in items],
-                    self.max_batch_tokens,
-                    self._device,
-                )
-            except Exception as exc:  # a fault of the batched pass fails its jobs, not the engine
-                # Micro-batches that ran before the fault keep their gradients: the jobs' clients see a
-                # server error and decide (Tinker's clients usually retry the whole step).
-                log.exception("forward_backward failed for %d jobs on %s", len(items), base_name)
-                self.counters["failed_batches"] += 1
-                outputs = [exc] * len(items)
-            for (i, _, _), output in zip(items, outputs, strict=True):
+            for (i, _, _), output in zip(items, self._forward_backward_group(base_name, items), strict=True):
                 results[i] = output
         return _filled(results)
+
+    def _forward_backward_group(
+        self, base_name: str, items: Sequence[tuple[int, FbWork, LoraAdapter]]
+    ) -> Sequence[ForwardBackwardOutput | Exception]:
+        """One batched pass; if it fails, the gradients it added are taken back and each job runs alone,
+        so a fault fails only the job that causes it."""
+        # What the adapters' gradients held before this pass, to take a failed pass's share back. A copy is
+        # adapter-sized, small next to the pass's activations.
+        saved = [
+            (t, t.grad.clone())
+            for adapter in {id(adapter): adapter for _, _, adapter in items}.values()
+            for t in adapter.parameters()
+            if t.grad is not None and len(items) > 1
+        ]
+        slots = _assign_slots([(work, adapter) for _, work, adapter in items])
+        base = self._bases[base_name]
+        try:
+            return run_forward_backward(
+                base.model,
+                base.router,
+                slots,
+                [work for _, work, _ in items],
+                self.max_batch_tokens,
+                self._device,
+            )
+        except Exception as exc:  # a fault of the batched pass fails its jobs, not the engine
+            self.counters["failed_batches"] += 1
+            if len(items) == 1:
+                # Micro-batches that ran before the fault keep their gradients: the job's client sees a
+                # server error and decides (Tinker's clients usually retry the whole step).
+                log.exception("forward_backward failed on %s", base_name)
+                return [exc]
+            log.warning(
+                "forward_backward of %d jobs on %s failed (%s); running them one by one",
+                len(items),
+                base_name,
+                exc,
+            )
+            for t, grad in saved:
+                t.grad = grad
+            self.counters["batches_split"] += 1
+            return [output for item in items for output in self._forward_backward_group(base_name, [item])]
 
     def optim_step(self, step: OptimStep) -> dict[str, float]:
         """AdamW exactly like torch.optim.AdamW with this step's hyper-parameters (after clipping the global
@@ -295,26 +320,38 @@ class ServiceEngine:
                 continue
             groups[job.base_model].append((i, prepared, adapter))
         for base_name, items in groups.items():
-            slots = _assign_slots([(prepared, adapter) for _, prepared, adapter in items])
-            base = self._bases[base_name]
-            try:
-                outputs: Sequence[SampleOutput | Exception] = run_sampling(
-                    base.model,
-                    base.router,
-                    slots,
-                    [prepared for _, prepared, _ in items],
-                    base.tokenizer,
-                    self._generator,
-                    self.config.max_sample_rows,
-                    self._device,
-                )
-            except Exception as exc:  # a fault of the batched pass fails its jobs, not the engine
-                log.exception("sample failed for %d jobs on %s", len(items), base_name)
-                self.counters["failed_batches"] += 1
-                outputs = [exc] * len(items)
-            for (i, _, _), output in zip(items, outputs, strict=True):
+            for (i, _, _), output in zip(items, self._sample_group(base_name, items), strict=True):
                 results[i] = output
         return _filled(results)
+
+    def _sample_group(
+        self, base_name: str, items: Sequence[tuple[int, PreparedSample, LoraAdapter | None]]
+    ) -> Sequence[SampleOutput | Exception]:
+        """One batched generation; if it fails, each job runs alone, so a fault fails only the job that
+        causes it (seeded jobs give the same tokens alone as batched)."""
+        slots = _assign_slots([(prepared, adapter) for _, prepared, adapter in items])
+        base = self._bases[base_name]
+        try:
+            return run_sampling(
+                base.model,
+                base.router,
+                slots,
+                [prepared for _, prepared, _ in items],
+                base.tokenizer,
+                self._generator,
+                self.config.max_sample_rows,
+                self._device,
+            )
+        except Exception as exc:  # a fault of the batched pass fails its jobs, not the engine
+            self.counters["failed_batches"] += 1
+            if len(items) == 1:
+                log.exception("sample failed on %s", base_name)
+                return [exc]
+            log.warning(
+                "sample of %d jobs on %s failed (%s); running them one by one", len(items), base_name, exc
+            )
+            self.counters["batches_split"] += 1
+            return [output for item in items for output in self._sample_group(base_name, [item])]
 
     # ---- checkpoints -------------------------------------------------------------------------------
 

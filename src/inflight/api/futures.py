@@ -7,7 +7,7 @@ recovery. Payloads are opaque bytes: what a request means is the routes' and the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -252,6 +252,17 @@ class FutureStore:
         server per database: a second live server's running futures would be failed too.
         """
         return self._fail_where(RESTART_ERROR, "server", FutureRow.status == "running")
+
+    def fail_orphaned(self, held: Collection[str], error: str) -> list[Future]:
+        """Fail running futures that no work holds any more (category server), all but `held`.
+
+        The engine loop calls this after a round that died midway, and periodically, so no future stays
+        running because the work behind it was lost. Like `recover`, it assumes one server per database.
+        """
+        keep = [_parse_request_id(request_id) for request_id in held]
+        return self._fail_where(
+            error, "server", FutureRow.status == "running", FutureRow.request_id.notin_(keep)
+        )
 
     def _insert(
         self,

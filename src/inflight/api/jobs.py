@@ -12,6 +12,11 @@ from inflight.api.engine_types import LoraSpec, OptimStep, SampleJob
 from inflight.api.schemas import AdamParams, LoraConfig, OptimStepRequest, SampleRequest
 from inflight.errors import UserError
 
+# vLLM's rule: a temperature this close to 0 samples greedily (dividing logits by it overflows float32).
+MIN_TEMPERATURE = 1e-5
+MAX_STOP_SEQUENCES = 64  # each is checked against every new token, on the thread all tenants share
+MAX_STOP_STRING_CHARS = 1024
+
 
 @dataclass(frozen=True)
 class BaseModelLimits:
@@ -58,9 +63,11 @@ def sample_job(
     limits: BaseModelLimits,
     default_max_tokens: int,
     max_num_samples: int,
+    max_topk_logprobs: int,
 ) -> SampleJob:
-    """Raises UserError for anything the engine cannot honour, so the SDK never gets a silently
-    different answer than it asked for."""
+    """Raises UserError, naming the field, for anything the engine cannot honour or that would take more
+    than a request's share of the machine, so the SDK never gets a silently different answer than it
+    asked for and one tenant's request cannot stall the others'."""
     _check_unsupported(request)
     prompt = request.prompt.tokens()
     if not prompt:
@@ -88,18 +95,37 @@ def sample_job(
             f"prompt_logprobs_last_n={last_n} must be between 1 and len(prompt) - 1 = {len(prompt) - 1}"
         )
     stop = [params.stop] if isinstance(params.stop, str) else params.stop
+    if stop is not None and len(stop) > MAX_STOP_SEQUENCES:
+        raise UserError(
+            f"sampling_params.stop has {len(stop)} entries; this server takes at most {MAX_STOP_SEQUENCES}"
+        )
+    long_stops = [s for s in stop or () if isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS]
+    if long_stops:
+        raise UserError(
+            f"sampling_params.stop holds a string of {len(long_stops[0])} characters; the limit is "
+            f"{MAX_STOP_STRING_CHARS}"
+        )
     stop_ids = [t for t in stop or () if isinstance(t, int)]
     if any(not 0 <= t < limits.vocab_size for t in stop_ids):
         raise UserError(f"stop token ids {stop_ids} must lie in the vocabulary [0, {limits.vocab_size})")
+    topk_limit = min(max_topk_logprobs, limits.vocab_size)
+    if request.topk_prompt_logprobs > topk_limit:
+        raise UserError(
+            f"topk_prompt_logprobs={request.topk_prompt_logprobs} is above this server's limit of "
+            f"{topk_limit} (the vocabulary has {limits.vocab_size} tokens)"
+        )
+    # k at or above the vocabulary keeps every token: exactly top_k=-1, served as such.
+    top_k = -1 if params.top_k >= limits.vocab_size else params.top_k
+    temperature = 0.0 if params.temperature < MIN_TEMPERATURE else params.temperature
     return SampleJob(
         weights=weights,
         base_model=base_model,
         prompt_tokens=prompt,
         num_samples=request.num_samples,
         max_tokens=max_tokens,
-        temperature=params.temperature,
+        temperature=temperature,
         top_p=params.top_p,
-        top_k=params.top_k,
+        top_k=top_k,
         seed=params.seed,
         stop=stop,
         prompt_logprobs=bool(request.prompt_logprobs) or request.topk_prompt_logprobs > 0,

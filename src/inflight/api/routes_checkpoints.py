@@ -9,6 +9,7 @@ from inflight.api.checkpoints import StoredCheckpoint
 from inflight.api.db import FutureRow, ModelRow
 from inflight.api.ids import check_model_id, checkpoint_path, parse_checkpoint_path
 from inflight.api.schemas import (
+    MAX_COUNT,
     CheckpointInfo,
     CheckpointsListResponse,
     Cursor,
@@ -29,7 +30,9 @@ _FOLDER_KINDS = {"weights": "state", "sampler_weights": "sampler"}
 
 @router.get("/training_runs")
 def list_training_runs(
-    state: StateDep, limit: int = Query(default=20, ge=1, le=1000), offset: int = Query(default=0, ge=0)
+    state: StateDep,
+    limit: int = Query(default=20, ge=1, le=1000),
+    offset: int = Query(default=0, ge=0, le=MAX_COUNT),  # SQLite and PostgreSQL take 64-bit offsets only
 ) -> TrainingRunsResponse:
     with state.db.read() as session:
         total = session.scalar(select(func.count()).select_from(ModelRow)) or 0

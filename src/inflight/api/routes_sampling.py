@@ -89,21 +89,20 @@ def asample(body: SampleRequest, state: StateDep) -> UntypedAPIFuture:
     row = _sampling_session(state, body.sampling_session_id)
     limits = state.base_model(row.base_model).limits
 
-    def check() -> None:
-        jobs.sample_job(
-            body,
-            base_model=row.base_model,
-            weights=None,
-            limits=limits,
-            default_max_tokens=state.config.default_max_tokens,
-            max_num_samples=state.config.max_num_samples,
-        )
-
+    # Samples run in no particular order, so a refused one leaves no hole in a queue: answer 400 at once
+    # (the SDK raises it), naming the field, rather than queue an already failed future.
+    jobs.sample_job(
+        body,
+        base_model=row.base_model,
+        weights=None,
+        limits=limits,
+        default_max_tokens=state.config.default_max_tokens,
+        max_num_samples=state.config.max_num_samples,
+        max_topk_logprobs=state.config.max_topk_logprobs,
+    )
     payload = body.model_dump_json().encode()
-    future = submit(state, body.sampling_session_id, body.seq_id, RequestType.SAMPLE, payload, check=check)
-    # A rejected request (e.g. num_samples above the limit) has no sequences to name.
-    count = body.num_samples if future.status != "failed" else 0
-    sequence_ids = [f"{future.request_id}-{i}" for i in range(count)]
+    future = submit(state, body.sampling_session_id, body.seq_id, RequestType.SAMPLE, payload)
+    sequence_ids = [f"{future.request_id}-{i}" for i in range(body.num_samples)]
     return future_response(future, sample_sequence_ids=sequence_ids)
 
 

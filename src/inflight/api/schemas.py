@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from inflight.api.futures import Future
 from inflight.api.ids import check_model_id, check_session_id
@@ -22,11 +22,46 @@ MAX_SEQ_ID = 2**31 - 1  # the SDK's protobuf seq_id is an int32
 MAX_MODEL_SEQ_ID = 999_999_999  # model ids allow 9 digits (ids.py)
 MAX_TTL_S = 10 * 365 * 24 * 3600  # the SDK documents TTLs up to 10 years
 SEED_LIMIT = 2**62
+# A count or token id of a request: the protobuf wire types are int32, and nothing the engine serves
+# (vocabulary, context, samples) comes near it. Tighter limits (vocabulary, context, the server's maxima)
+# are checked where the model is known (jobs.py); this one keeps giant integers out of every later step.
+MAX_COUNT = 2**31 - 1
 
 
 class WireRequest(BaseModel):
     # protected_namespaces=(): the protocol has fields named model_id, model_seq_id, model_data.
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    @model_validator(mode="after")
+    def _utf8_strings(self) -> WireRequest:
+        """JSON may carry lone surrogates (\\ud800), which no database or file name can store: refuse them
+        here, naming the field, rather than fail later in a driver."""
+        for name in type(self).model_fields:
+            bad = _non_utf8(getattr(self, name))
+            if bad is not None:
+                raise ValueError(f"{name}{bad} is not valid UTF-8 text (it holds a lone surrogate)")
+        return self
+
+
+def _non_utf8(value: object, where: str = "") -> str | None:
+    """The location of the first string (key or value) under `value` that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            bad = _non_utf8(key, f"{where}[key]") or _non_utf8(item, f"{where}[{key!r}]")
+            if bad is not None:
+                return bad
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            bad = _non_utf8(item, f"{where}[{i}]")
+            if bad is not None:
+                return bad
+    return None
 
 
 class WireResponse(BaseModel):
@@ -302,7 +337,7 @@ class GetSamplerResponse(WireResponse):
 
 class EncodedTextChunk(WireRequest):
     type: Literal["encoded_text"] = "encoded_text"
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]]
 
 
 class ModelInput(WireRequest):
@@ -314,16 +349,17 @@ class ModelInput(WireRequest):
 
 
 class SamplingParams(WireRequest):
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     seed: int | None = Field(default=None, ge=-SEED_LIMIT, le=SEED_LIMIT)
-    stop: str | list[str] | list[int] | None = None
+    stop: str | list[str] | list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = None
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    top_k: int = Field(default=-1, ge=-1)
+    # -1: no limit; k >= the vocabulary keeps every token, exactly as -1 (jobs.py)
+    top_k: int = Field(default=-1, ge=-1, le=MAX_COUNT)
     top_p: float = Field(default=1.0, gt=0, le=1)
 
 
 class SampleRequest(WireRequest):
-    num_samples: int = Field(default=1, ge=1)
+    num_samples: int = Field(default=1, ge=1, le=MAX_COUNT)
     prompt: ModelInput
     sampling_params: SamplingParams
     sampling_session_id: str | None = None
@@ -332,11 +368,11 @@ class SampleRequest(WireRequest):
     base_model: str | None = None
     model_path: str | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = Field(default=0, ge=0)
-    topk_sample_logprobs: int = Field(default=0, ge=0)
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_COUNT)
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_COUNT)
     target_prompt_logprobs: dict[str, Any] | None = None
-    prompt_alt_tokens_k: int = Field(default=0, ge=0)
-    prompt_logprobs_last_n: int | None = None
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_COUNT)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=-MAX_COUNT, le=MAX_COUNT)
     record_stability_info: bool | None = None
     type: Literal["sample"] = "sample"
 

@@ -18,6 +18,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from inflight.api.auth import check_api_keys
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SessionRow
 from inflight.api.futures import FutureStore
@@ -42,8 +43,18 @@ class ServiceConfig(BaseModel):
     dtype: DtypeName = "auto"  # base weights: see ServiceEngineConfig.dtype
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
     max_num_samples: int = Field(default=256, ge=1)  # per sample request
+    # per prompt position: a [prompt, k] table is built and sent back (vLLM's default cap is 20)
+    max_topk_logprobs: int = Field(default=64, ge=1)
     # How far past the model's highest seq_id a request may land (a bigger jump is surely a client bug).
     max_seq_id_ahead: int = Field(default=64, ge=1)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_blank_keys(cls, value: list[str]) -> list[str]:
+        try:
+            return check_api_keys(value)
+        except UserError as exc:  # pydantic reports ValueErrors as validation errors
+            raise ValueError(str(exc)) from None
 
     @field_validator("long_poll_hold_s")
     @classmethod

@@ -8,7 +8,9 @@ One round (`run_once`), schedule -> execute -> update:
   4. claim the pending samples of every sampling session and run them as one engine call per base model.
 Routes only write futures and `wake` the loop; `on_finished(request_id)` tells long-polls a result is in.
 The engine is never touched from any other thread. Every failure becomes a failed future (user or server
-category) and a count in `counters`; the loop itself never dies.
+category) and a count in `counters`; the loop itself never dies. No future stays running: one claimed in a
+round that dies midway (a DB hiccup, an error outside any one request) is failed at once, and a periodic
+sweep fails any running future this worker does not hold (`failed_orphaned`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -53,11 +55,12 @@ from inflight.errors import UserError
 
 if TYPE_CHECKING:
     from inflight.api.engine import ServiceEngine
-    from inflight.api.engine_types import ForwardBackwardJob, SampleJob
+    from inflight.api.engine_types import ForwardBackwardJob, SampleJob, SampleOutput
 
 log = logging.getLogger(__name__)
 
 _PASSES = (RequestType.FORWARD, RequestType.FORWARD_BACKWARD)
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 class WorkerConfig(BaseModel):
@@ -68,8 +71,15 @@ class WorkerConfig(BaseModel):
     stop_timeout_s: float = Field(default=60.0, gt=0)
     default_max_tokens: int = Field(default=256, ge=1)
     max_num_samples: int = Field(default=256, ge=1)
+    max_topk_logprobs: int = Field(default=64, ge=1)
     # In-memory sampler snapshots kept per model (each RL step makes one); older ones are freed.
     max_snapshots_per_model: int = Field(default=8, ge=1)
+
+
+ORPHANED_ERROR = (
+    "internal error: the server lost the work of this request while it ran (see the server log); it was "
+    "not retried because its effects may have been partly applied. Resubmit it."
+)
 
 
 class ModelUnavailableError(RuntimeError):
@@ -101,6 +111,7 @@ class EngineWorker:
         self._snapshots: dict[str, deque[str]] = defaultdict(deque)  # model_id -> snapshot keys, oldest first
         self._evicted: set[str] = set()
         self._base_of: dict[str, str] = {}
+        self._held: set[str] = set()  # request ids claimed (marked running) and not yet settled
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -155,6 +166,8 @@ class EngineWorker:
             except Exception:  # a DB hiccup must not kill the only thread that serves requests
                 self._count("loop_errors")
                 log.exception("engine worker round failed; retrying")
+                self._held.clear()  # whatever the round had claimed and not settled is lost work now
+                self._fail_orphaned()
             if not done:
                 self._wake.wait(self.config.idle_poll_s)
                 self._wake.clear()
@@ -164,6 +177,7 @@ class EngineWorker:
     def run_once(self) -> int:
         """Schedule, execute and record one round; returns how many futures it settled."""
         heads = [f for m in self.store.ready_model_ids() if (f := self.store.claim_next(m)) is not None]
+        self._held.update(f.request_id for f in heads)
         for future in heads:
             if future.request_type not in _PASSES:
                 self._settle(future, self._run_single)
@@ -177,6 +191,7 @@ class EngineWorker:
         for base_model, group in passes.items():
             self._run_passes(base_model, group)
         samples = self.store.claim_unordered(RequestType.SAMPLE, self.config.max_sample_futures_per_batch)
+        self._held.update(f.request_id for f in samples)
         if samples:
             self._run_samples(samples)
         return len(heads) + len(samples)
@@ -187,10 +202,27 @@ class EngineWorker:
         for future in self.store.fail_stalled(older_than):
             self._count("failed_seq_gap")
             self.on_finished(future.request_id)
+        self._fail_orphaned()
         self._unload_finished_sessions()
 
+    def _fail_orphaned(self) -> None:
+        """Fail running futures whose work was lost, so their clients stop polling (never raises)."""
+        try:
+            orphaned = self.store.fail_orphaned(self._held, ORPHANED_ERROR)
+        except Exception:  # the database is still away: the next housekeeping round tries again
+            log.exception("could not fail the futures of a failed round")
+            return
+        for future in orphaned:
+            log.error(
+                "request %s (%s) was running when its work was lost", future.request_id, future.request_type
+            )
+            self._count("failed_orphaned")
+            self.on_finished(future.request_id)
+
     def _settle(self, future: Future, work: Callable[[Future], bytes] | BaseException | bytes) -> None:
-        """Run `work` (or take its outcome) and record it; the one place failures become futures."""
+        """Run `work` (or take its outcome) and record it; the one place failures become futures.
+
+        Raises only when the database refuses even the failure; the loop then fails what it holds."""
         outcome: bytes | BaseException
         if callable(work):
             try:
@@ -205,6 +237,7 @@ class EngineWorker:
             log.exception("could not record the outcome of request %s", future.request_id)
             self._count("failed_server")
             self.store.fail(future.request_id, "internal error: the result could not be stored", "server")
+        self._held.discard(future.request_id)
         self.on_finished(future.request_id)
 
     def _record(self, future: Future, outcome: bytes | BaseException) -> None:
@@ -238,7 +271,7 @@ class EngineWorker:
         return handler(future)
 
     def _create_model(self, future: Future) -> bytes:
-        request = CreateModelRequest.model_validate_json(future.request_payload)
+        request = _stored_request(CreateModelRequest, future)
         if not self.engine.has_adapter(future.model_id):
             try:
                 self.engine.create_adapter(
@@ -251,7 +284,7 @@ class EngineWorker:
         return CreateModelResponse(model_id=future.model_id).model_dump_json().encode()
 
     def _load_weights(self, future: Future) -> bytes:
-        request = LoadWeightsRequest.model_validate_json(future.request_payload)
+        request = _stored_request(LoadWeightsRequest, future)
         try:
             checkpoint = self.checkpoints.get(request.path)
             if request.optimizer and checkpoint.path.kind != "state":
@@ -269,19 +302,19 @@ class EngineWorker:
 
     def _optim_step(self, future: Future) -> bytes:
         self._require_adapter(future.model_id)
-        step = jobs.optim_step(OptimStepRequest.model_validate_json(future.request_payload))
+        step = jobs.optim_step(_stored_request(OptimStepRequest, future))
         metrics = self.engine.optim_step(step)
         return OptimStepResponse(metrics=metrics).model_dump_json().encode()
 
     def _save_weights(self, future: Future) -> bytes:
         self._require_adapter(future.model_id)
-        request = SaveWeightsRequest.model_validate_json(future.request_payload)
+        request = _stored_request(SaveWeightsRequest, future)
         path = self._save(future, "state", request.path, request.ttl_seconds, request.overwrite)
         return SaveWeightsResponse(path=path).model_dump_json().encode()
 
     def _save_weights_for_sampler(self, future: Future) -> bytes:
         self._require_adapter(future.model_id)
-        request = SaveWeightsForSamplerRequest.model_validate_json(future.request_payload)
+        request = _stored_request(SaveWeightsForSamplerRequest, future)
         if request.path is not None:
             path = self._save(future, "sampler", request.path, request.ttl_seconds, overwrite=False)
             return SaveWeightsForSamplerResponse(path=path).model_dump_json().encode()
@@ -389,7 +422,7 @@ class EngineWorker:
         by_base: dict[str, list[tuple[Future, SampleRequest, SampleJob]]] = defaultdict(list)
         for future in futures:
             try:
-                request = SampleRequest.model_validate_json(future.request_payload)
+                request = _stored_request(SampleRequest, future)
                 base_model, weights = self._sampler(request.sampling_session_id or "")
                 job = jobs.sample_job(
                     request,
@@ -398,6 +431,7 @@ class EngineWorker:
                     limits=self._limits(base_model),
                     default_max_tokens=self.config.default_max_tokens,
                     max_num_samples=self.config.max_num_samples,
+                    max_topk_logprobs=self.config.max_topk_logprobs,
                 )
             except Exception as err:
                 self._settle(future, err)
@@ -416,12 +450,17 @@ class EngineWorker:
                 if isinstance(output, BaseException):
                     self._settle(future, output)
                     continue
-                encoded = encode_sample_output(
-                    output,
-                    prompt_logprobs_last_n=request.prompt_logprobs_last_n,
-                    topk_prompt_logprobs=request.topk_prompt_logprobs,
-                )
-                self._settle(future, encoded)
+
+                def encode(
+                    _: Future, output: SampleOutput = output, request: SampleRequest = request
+                ) -> bytes:
+                    return encode_sample_output(
+                        output,
+                        prompt_logprobs_last_n=request.prompt_logprobs_last_n,
+                        topk_prompt_logprobs=request.topk_prompt_logprobs,
+                    )
+
+                self._settle(future, encode)  # a failure to encode is this request's alone
 
     def _sampler(self, sampling_session_id: str) -> tuple[str, str | None]:
         """(base model, engine weights key or None for the bare base model) of a sampling session."""
@@ -503,3 +542,15 @@ class EngineWorker:
                     self._drop_snapshot(key)
                 self._set_model_status(model_id, "unloaded")
                 self._count("adapters_unloaded")
+
+
+def _stored_request(schema: type[RequestT], future: Future) -> RequestT:
+    """A queued request's payload, checked again: a server with other limits (an older version, or other
+    settings) may have accepted it. A payload that fails is the request's own user error."""
+    try:
+        return schema.model_validate_json(future.request_payload)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:3]
+        )
+        raise UserError(f"{future.request_type} request is invalid on this server: {problems}") from None

@@ -1,0 +1,325 @@
+"""Isolation between requests: one tenant's request never fails, stalls or changes another tenant's.
+
+Three layers, each held here: (1) the edge refuses every out-of-bounds number the hostile-client tries found
+(topk_prompt_logprobs = 10^12, top_k = 2^63, ...) with a 4xx naming the field, while valid samples of another
+session complete; (2) a hostile payload that reached the futures table anyway (written there directly) is
+failed by the worker's own checks as a user error, alone; (3) a fault inside a batched engine call (injected
+by wrapping the real batched function) fails only the job that causes it, and the others' results (seeded
+tokens, accumulated gradients) equal what they are when run alone; a round that dies outside any one request
+leaves no future running.
+
+Reference: the hardening issue, "Isolation between requests".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from sqlalchemy.exc import OperationalError
+from tinker.proto import tinker_public_pb2 as pb
+
+from inflight.api import engine_sampling
+from inflight.api import worker as worker_module
+from inflight.api.app import BackgroundServer, create_app
+from inflight.api.checkpoints import CheckpointStore
+from inflight.api.db import Database, SamplingSessionRow, SessionRow, sqlite_url
+from inflight.api.engine import (
+    Datum,
+    ForwardBackwardJob,
+    LoraSpec,
+    SampleJob,
+    ServiceEngine,
+    ServiceEngineConfig,
+)
+from inflight.api.futures import FutureStore, RequestType
+from inflight.api.jobs import BaseModelLimits
+from inflight.api.service import ServiceConfig
+from inflight.api.worker import ORPHANED_ERROR, EngineWorker, WorkerConfig
+
+BASE = "tiny"
+VOCAB = 2048
+MARK = 7  # the prompt token that makes the injected fault fire for "its" job
+
+
+def _engine(model_dir: Path) -> ServiceEngine:
+    return ServiceEngine(
+        {BASE: str(model_dir)}, max_rank=8, config=ServiceEngineConfig(seed=0, dtype="float32")
+    )
+
+
+def _sample_body(sampler_id: str, seq: int, **overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "sampling_session_id": sampler_id,
+        "seq_id": seq,
+        "num_samples": 2,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 9, 11]}]},
+        "sampling_params": {"max_tokens": 4, "seed": 3},
+    }
+    for key, value in overrides.items():
+        if key in ("top_k", "temperature", "max_tokens", "stop", "seed"):
+            body["sampling_params"][key] = value
+        else:
+            body[key] = value
+    return body
+
+
+# The hostile requests the fuzzing found, and the neighbours of each: every numeric field far out of bounds.
+HOSTILE: dict[str, dict[str, Any]] = {
+    "topk_prompt_logprobs": {"topk_prompt_logprobs": 10**12, "prompt_logprobs": True},
+    "topk_prompt_logprobs_over_vocab": {"topk_prompt_logprobs": VOCAB + 1},
+    "top_k": {"top_k": 2**63},
+    "num_samples": {"num_samples": 10**12},
+    "max_tokens": {"max_tokens": 2**63},
+    "prompt_logprobs_last_n": {"prompt_logprobs_last_n": 2**70},
+    "prompt_tokens": {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2**63]}]}},
+    "stop": {"stop": [str(i) for i in range(10_000)]},
+    "stop_token": {"stop": [2**40]},
+    "seed": {"seed": 2**80},
+    "seq_id": {"seq_id": 2**64},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
+    config = ServiceConfig(
+        base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path_factory.mktemp("serve")
+    )
+    with BackgroundServer(create_app(config)) as server:
+        yield server
+
+
+def _session(http: httpx.Client) -> str:
+    session_id = http.post("create_session", json={}).json()["session_id"]
+    return http.post(
+        "create_sampling_session",
+        json={"session_id": session_id, "sampling_session_seq_id": 0, "base_model": BASE},
+    ).json()["sampling_session_id"]
+
+
+def _settle(http: httpx.Client, request_id: str, timeout_s: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = http.post("retrieve_future", json={"request_id": request_id})
+        assert body.status_code == 200, body.text
+        if body.headers.get("content-type", "").startswith("application/json"):
+            answer = body.json()
+            if answer.get("type") == "try_again":
+                continue
+            return answer
+        return {"done": body.content}
+    pytest.fail(f"future {request_id} still unfinished after {timeout_s} s")
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_hostile_sample_is_refused_naming_its_field_while_another_sessions_samples_complete(
+    server: BackgroundServer, kind: str
+) -> None:
+    with httpx.Client(base_url=f"{server.url}/api/v1", timeout=60) as http:
+        victim, attacker = _session(http), _session(http)
+        valid = [
+            http.post("asample", json=_sample_body(victim, seq)).json()["request_id"] for seq in range(3)
+        ]
+        hostile = http.post("asample", json=_sample_body(attacker, 0, **HOSTILE[kind]))
+        valid += [http.post("asample", json=_sample_body(victim, 3)).json()["request_id"]]
+        assert 400 <= hostile.status_code < 500, hostile.text
+        field = kind.removesuffix("_over_vocab").removesuffix("_token").replace("prompt_tokens", "tokens")
+        assert field in hostile.text, hostile.text
+        for request_id in valid:
+            assert "done" in _settle(http, request_id)
+        stats = http.get("server_stats").json()
+        assert stats.get("failed_server", 0) == 0 and stats.get("loop_errors", 0) == 0, stats
+
+
+def test_top_k_beyond_the_vocabulary_samples_exactly_as_no_limit(server: BackgroundServer) -> None:
+    with httpx.Client(base_url=f"{server.url}/api/v1", timeout=60) as http:
+        sampler = _session(http)
+        unlimited = http.post("asample", json=_sample_body(sampler, 0, top_k=-1)).json()
+        beyond = http.post("asample", json=_sample_body(sampler, 1, top_k=VOCAB * 10)).json()
+        # Batched or alone, seeded tokens are the same; log-probs agree to float rounding.
+        one, other = (
+            pb.SampleResponse.FromString(_settle(http, r["request_id"])["done"]) for r in (unlimited, beyond)
+        )
+        assert [s.tokens for s in one.sequences] == [s.tokens for s in other.sequences]
+        for a, b in zip(one.sequences, other.sequences, strict=True):
+            np.testing.assert_allclose(
+                np.frombuffer(a.logprobs, "<f4"), np.frombuffer(b.logprobs, "<f4"), atol=1e-4
+            )
+
+
+# ---- the worker's own checks: hostile payloads that reached the futures table -------------------------
+
+
+@pytest.fixture
+def live(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[EngineWorker, FutureStore, ServiceEngine]]:
+    """A real engine and futures database with the worker driven round by round (no HTTP)."""
+    db = Database(sqlite_url(tmp_path / "service.db"))
+    engine = _engine(tiny_model_dir)
+    with db.write() as session:
+        for tenant in ("victim", "attacker"):
+            session.add(SessionRow(session_id=tenant))
+            session.flush()
+            session.add(
+                SamplingSessionRow(
+                    sampling_session_id=f"{tenant}:sample:0",
+                    session_id=tenant,
+                    sampling_session_seq_id=0,
+                    base_model=BASE,
+                )
+            )
+    info = engine.model_info(BASE)
+    worker = EngineWorker(
+        engine,
+        db,
+        CheckpointStore(db, tmp_path / "checkpoints"),
+        limits={
+            BASE: BaseModelLimits(vocab_size=int(info["vocab_size"]), max_context=int(info["max_context"]))
+        },
+        config=WorkerConfig(housekeeping_interval_s=0.05, idle_poll_s=0.01),
+    )
+    yield worker, FutureStore(db), engine
+    worker.stop()
+    db.close()
+
+
+def _submit_raw(store: FutureStore, tenant: str, seq_id: int, **overrides: Any) -> str:
+    """Straight into the futures table: past the route's checks, as an older or buggy server might have."""
+    body = _sample_body(f"{tenant}:sample:0", seq_id, **overrides)
+    return store.submit(
+        body["sampling_session_id"], seq_id, RequestType.SAMPLE, json.dumps(body).encode()
+    ).request_id
+
+
+def test_hostile_payloads_in_the_queue_fail_alone_as_user_errors(live) -> None:
+    worker, store, _ = live
+    valid = [_submit_raw(store, "victim", seq) for seq in range(2)]
+    hostile = [
+        _submit_raw(store, "attacker", seq, **HOSTILE[kind])
+        for seq, kind in enumerate(["topk_prompt_logprobs", "top_k", "num_samples", "stop"])
+    ]
+    valid.append(_submit_raw(store, "victim", 2))
+    assert worker.run_once() == len(valid) + len(hostile)  # one claim: they were batched together
+    for request_id in valid:
+        assert store.get(request_id).status == "done"
+    for request_id in hostile:
+        future = store.get(request_id)
+        assert (future.status, future.error_category) == ("failed", "user"), future
+    assert worker.stats().get("failed_server", 0) == 0
+
+
+# ---- faults inside a batched engine call -------------------------------------------------------------
+
+
+def _faulty(real: Any, fault: BaseException) -> Any:
+    """The real batched function, failing for a batch that holds a job whose prompt has the MARK token."""
+
+    def run(*args: Any) -> Any:
+        result = real(*args)  # the work (and, for forward_backward, the gradients) happens first
+        work = args[3]
+        prompts = [getattr(getattr(w, "job", None), "prompt_tokens", None) or [] for w in work]
+        datums = [d.input_tokens for w in work if hasattr(w, "prepared") for d in w.prepared.job.data]
+        if any(MARK in tokens for tokens in [*prompts, *datums]):
+            raise fault
+        return result
+
+    return run
+
+
+def test_a_fault_in_a_sampling_batch_fails_only_its_job(tiny_model_dir: Path, monkeypatch) -> None:
+    engine = _engine(tiny_model_dir)
+    jobs = [SampleJob(None, BASE, [5, 9, s], num_samples=2, max_tokens=5, seed=s) for s in range(3)]
+    alone = [engine.sample([job])[0] for job in jobs]
+    monkeypatch.setattr(
+        "inflight.api.engine.run_sampling", _faulty(engine_sampling.run_sampling, MemoryError("10.9 TiB"))
+    )
+    hostile = SampleJob(None, BASE, [5, MARK], max_tokens=3)
+    batched = engine.sample([jobs[0], hostile, jobs[1], jobs[2]])
+    assert isinstance(batched[1], MemoryError)
+    assert [batched[0], batched[2], batched[3]] == alone  # same tokens and logprobs as each alone
+    assert engine.counters["batches_split"] == 1
+
+
+def test_a_fault_in_a_training_batch_fails_only_its_job_and_takes_back_its_gradients(
+    tiny_model_dir: Path, monkeypatch
+) -> None:
+    from inflight.api import engine_forward
+
+    def job(model_id: str, tokens: list[int]) -> ForwardBackwardJob:
+        return ForwardBackwardJob(
+            model_id, [Datum(tokens[:-1], {"target_tokens": tokens[1:]})], "cross_entropy"
+        )
+
+    reference, faulty = _engine(tiny_model_dir), _engine(tiny_model_dir)
+    for engine in (reference, faulty):
+        for model_id in ("a", "b", "evil"):
+            engine.create_adapter(model_id, BASE, LoraSpec(rank=4, seed=len(model_id)))
+    good = [job("a", [4, 5, 6, 8]), job("b", [9, 10, 11, 12, 13])]
+    for item in good:  # a step already accumulated, then the batch: the restore must keep this share
+        for engine in (reference, faulty):
+            engine.forward_backward([item])
+    expected = [reference.forward_backward([item])[0] for item in good]
+    monkeypatch.setattr(
+        "inflight.api.engine.run_forward_backward",
+        _faulty(engine_forward.run_forward_backward, RuntimeError("injected")),
+    )
+    results = faulty.forward_backward([good[0], job("evil", [3, MARK, 4]), good[1]])
+    assert isinstance(results[1], RuntimeError)
+    assert [results[0].metrics, results[2].metrics] == [e.metrics for e in expected]
+    for model_id in ("a", "b"):  # twice each job, never three times
+        for key, grad in reference.adapter_gradients(model_id).items():
+            torch.testing.assert_close(faulty.adapter_gradients(model_id)[key], grad, rtol=1e-6, atol=1e-9)
+    assert faulty.counters["batches_split"] == 1
+
+
+def test_a_failure_to_encode_one_result_fails_only_that_future(live, monkeypatch) -> None:
+    worker, store, _ = live
+    real = worker_module.encode_sample_output
+
+    def encode(output: Any, **kwargs: Any) -> bytes:
+        if kwargs["topk_prompt_logprobs"] == 3:  # the old path allocated [prompt, k] here for any k
+            raise MemoryError("Unable to allocate 10.9 TiB")
+        return real(output, **kwargs)
+
+    monkeypatch.setattr(worker_module, "encode_sample_output", encode)
+    valid = [_submit_raw(store, "victim", seq) for seq in range(2)]
+    victim = _submit_raw(store, "attacker", 0, topk_prompt_logprobs=3, prompt_logprobs=True)
+    worker.run_once()
+    assert [store.get(r).status for r in valid] == ["done", "done"]
+    failed = store.get(victim)
+    assert failed.status == "failed" and failed.error_category == "server"
+    assert "MemoryError" in (failed.error or "")
+
+
+def test_a_round_that_dies_leaves_no_future_running(live, monkeypatch) -> None:
+    """The database refuses both the result and the failure of one request (a lost connection): the
+    round dies, and the loop fails what it had claimed instead of leaving it running for good."""
+    worker, store, _ = live
+    calls = {"complete": 0, "fail": 0}
+    for name in calls:
+        real = getattr(worker.store, name)
+
+        def flaky(*args: Any, _name: str = name, _real: Any = real) -> Any:
+            calls[_name] += 1
+            if calls[_name] == 1:
+                raise OperationalError("UPDATE futures", {}, Exception("connection lost"))
+            return _real(*args)
+
+        monkeypatch.setattr(worker.store, name, flaky)
+    submitted = [_submit_raw(store, "victim", seq) for seq in range(3)]
+    worker.start()
+    deadline = time.monotonic() + 30
+    while any(store.get(r).status in ("pending", "running") for r in submitted):
+        assert time.monotonic() < deadline, [store.get(r) for r in submitted]
+        time.sleep(0.05)
+    statuses = [store.get(r) for r in submitted]
+    lost = [f for f in statuses if f.status == "failed"]
+    assert lost and all(f.error == ORPHANED_ERROR and f.error_category == "server" for f in lost)
+    stats = worker.stats()
+    assert stats["loop_errors"] == 1 and stats["failed_orphaned"] == len(lost), stats
