@@ -26,9 +26,11 @@ import pytest
 import tinker
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import select
 from tinker.proto import tinker_public_pb2 as pb
 
 from inflight.api.app import BackgroundServer, create_app
+from inflight.api.db import FutureRow
 from inflight.api.service import ServiceConfig
 from inflight.api.worker import WorkerConfig
 
@@ -520,6 +522,12 @@ def test_zz_every_future_failed_as_user_error_and_the_server_still_serves(fuzzed
     assert len(fuzzed.futures) > len(categories) > 0
     stats = fuzzed.http.get("server_stats").json()
     assert stats.get("failed_server", 0) == 0 and stats.get("loop_errors", 0) == 0, stats
+    assert stats.get("failed_orphaned", 0) == 0, stats
+    with fuzzed.server.app.state.service.db.read() as session:  # 0 stuck futures, whoever submitted them
+        unsettled = session.scalars(
+            select(FutureRow).where(FutureRow.status.in_(("pending", "running")))
+        ).all()
+    assert not unsettled, [(row.request_id, row.request_type, row.status) for row in unsettled]
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TINKER_API_KEY", "tml-test")
