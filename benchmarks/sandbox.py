@@ -5,7 +5,8 @@ VerifierPool driven by --concurrency asyncio clients (closed loop: each client s
 its last one returns), the end-to-end latency of those calls (p50/p99, queueing included), and the
 latency of one execution at a time. A bare `python -I -S -c` (no sandbox) is the baseline for the
 overhead. The headline keys (`executions_per_s`, `latency_p50_ms`, `latency_p99_ms`) are for the mode
-`auto` picks, named in `isolation`. Prints one JSON line last.
+`auto` picks, named in `isolation`; `memory_bound` names how each job's memory was bounded as a whole
+(a cgroup, or rlimit_split where none can be made). Prints one JSON line last.
 Run: `inflight bench sandbox [--jobs N] [--concurrency 8]`.
 """
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sequential", type=int, default=20, help="one-at-a-time executions per mode")
     args = parser.parse_args(argv)
 
-    from inflight.envs.sandbox import bwrap_problem, detect_isolation, run_python
+    from inflight.envs.sandbox import bwrap_problem, detect_isolation, detect_memory_bound, run_python
     from inflight.envs.sandbox.capture import run_capped
     from inflight.envs.sandbox.command import minimal_env, python_argv
     from inflight.envs.sandbox.runner import _host_python
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "sandbox",
         "isolation": isolation,
+        "memory_bound": detect_memory_bound(),
         "concurrency": args.concurrency,
         "jobs": args.jobs,
         "executions_per_s": headline.get("executions_per_s"),

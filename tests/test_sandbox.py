@@ -1,8 +1,10 @@
 """The code sandbox: running code, limits, results and reasons, in both isolation modes.
 
-References: bubblewrap(1) (namespaces, --die-with-parent, --size/--tmpfs), setrlimit(2) (RLIMIT_CPU sends
-SIGXCPU at the soft limit; RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE), and Python's own error messages for
-what each limit looks like from inside. Hostile code lives in test_sandbox_security.py.
+References: bubblewrap(1) (namespaces, --die-with-parent, --size/--tmpfs, --seccomp), setrlimit(2)
+(RLIMIT_CPU sends SIGXCPU at the soft limit; RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE), seccomp(2) and the
+kernel's syscall tables (arch/x86/entry/syscalls/syscall_64.tbl, include/uapi/asm-generic/unistd.h),
+and Python's own error messages for what each limit looks like from inside. Hostile code lives in
+test_sandbox_security.py.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
+import struct
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -22,9 +27,18 @@ from inflight.envs.sandbox import (
     bwrap_problem,
     classify,
     detect_isolation,
+    detect_memory_bound,
     resolve_isolation,
     run_python,
     runner,
+)
+from inflight.envs.sandbox.memory_bound import SPLIT_MIN_PROCESS_MB, process_budget
+from inflight.envs.sandbox.seccomp import (
+    AUDIT_ARCH,
+    CLONE_SYSCALLS,
+    DENIED_SYSCALLS,
+    RET_ALLOW,
+    filter_program,
 )
 from inflight.errors import UserError
 
@@ -73,6 +87,31 @@ def test_rlimit_mode_says_so_in_the_log(caplog: pytest.LogCaptureFixture) -> Non
 def test_unknown_isolation_is_a_clear_error() -> None:
     with pytest.raises(UserError, match="unknown sandbox isolation 'docker'"):
         run_python("pass", isolation="docker")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="unknown memory_bound 'ulimit'"):
+        run_python("pass", memory_bound="ulimit")  # type: ignore[arg-type]
+
+
+def test_each_result_says_how_the_jobs_memory_was_bounded(isolation: IsolationChoice) -> None:
+    result = run_python("print(1)", limits=QUICK, isolation=isolation)
+    assert result.ok and result.memory_bound == detect_memory_bound()
+    if os.environ.get("CI"):  # CI runs as root on machines with a cgroup v1 memory hierarchy
+        assert result.memory_bound != "rlimit_split"
+    split = run_python("print(1)", limits=QUICK, isolation=isolation, memory_bound="rlimit_split")
+    assert split.ok and (split.memory_bound, split.memory_peak_mb) == ("rlimit_split", None)
+
+
+@pytest.mark.parametrize("memory_mb", [32, 63, 64, 256, 512, 1000, 4096])
+@pytest.mark.parametrize("max_processes", [1, 3, 16, 32, 4096])
+def test_without_a_cgroup_processes_times_their_share_stay_under_the_job_limit(
+    memory_mb: int, max_processes: int
+) -> None:
+    limits = SandboxLimits(memory_mb=memory_mb, max_processes=max_processes)
+    split = process_budget(limits, "rlimit_split")
+    assert 1 <= split.max_tasks <= max_processes
+    assert split.max_tasks * split.address_space_mb <= memory_mb
+    assert split.address_space_mb >= min(memory_mb, SPLIT_MIN_PROCESS_MB)  # room for Python to start
+    whole = process_budget(limits, "cgroup1")  # the cgroup bounds the sum: each process may use it all
+    assert (whole.max_tasks, whole.address_space_mb) == (max_processes, memory_mb)
 
 
 def test_limits_are_validated_with_their_names() -> None:
@@ -207,3 +246,50 @@ def test_classify_reads_the_reason_from_exit_code_and_traceback(
 
 def test_a_kill_by_the_runner_outranks_the_traceback() -> None:
     assert classify(1, "MemoryError\n", killed_for="output_limit") == "output_limit"
+
+
+def test_what_the_job_cgroup_saw_decides_memory_and_cpu_kills() -> None:
+    # Any process of the job killed at the job's memory limit makes the run "memory", even if the
+    # parent then exits 0; only the runner's own kill outranks it.
+    assert classify(0, "", oom_killed=True) == "memory"
+    assert classify(-9, "", oom_killed=True) == "memory"
+    assert classify(-9, "", killed_for="timeout", oom_killed=True) == "timeout"
+    # SIGKILL is the hard CPU limit when the job used its CPU time; otherwise someone else's kill.
+    assert classify(-9, "", cpu_limit_reached=True) == "cpu"
+    assert classify(-9, "") == "killed"
+    assert classify(1, "ValueError: x\n", cpu_limit_reached=True) == "error"
+
+
+@pytest.mark.parametrize("machine", sorted(AUDIT_ARCH))
+def test_seccomp_program_is_well_formed(machine: str) -> None:
+    program = filter_program(machine)
+    instructions = [struct.unpack("<HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
+    assert len(program) % 8 == 0 and len(instructions) < 4096  # BPF_MAXINSNS
+    for index, (code, jump_true, jump_false, _) in enumerate(instructions):
+        if code & 0x07 == 0x05:  # BPF_JMP: both targets inside the program
+            assert index + 1 + max(jump_true, jump_false) < len(instructions)
+    assert instructions[0] == (0x20, 0, 0, 4)  # it checks the architecture first
+    assert instructions[1][3] == AUDIT_ARCH[machine]
+    assert sum(code == 0x06 and k == RET_ALLOW for code, _, _, k in instructions) == 2
+
+
+# Kernel headers for the syscall numbers, where the linux-libc-dev package put them.
+SYSCALL_HEADERS = {
+    "x86_64": Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
+    "aarch64": Path("/usr/include/asm-generic/unistd.h"),
+}
+
+
+@pytest.mark.parametrize("machine", sorted(SYSCALL_HEADERS))
+def test_seccomp_syscall_numbers_match_the_kernel_headers(machine: str) -> None:
+    header = SYSCALL_HEADERS[machine]
+    if not header.exists():
+        pytest.skip(f"{header} is not installed (linux-libc-dev)")
+    defined = {
+        name: int(number)
+        for name, number in re.findall(r"#define __NR(?:3264)?_(\w+)\s+(\d+)", header.read_text())
+    }
+    column = 0 if machine == "x86_64" else 1
+    expected = {name: numbers[column] for name, numbers in DENIED_SYSCALLS.items()}
+    expected |= dict(zip(("clone", "clone3"), CLONE_SYSCALLS[machine], strict=True))
+    assert {name: defined.get(name) for name in expected} == expected

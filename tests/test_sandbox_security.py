@@ -1,17 +1,23 @@
-"""Hostile code in the sandbox: each attack from issue 5 is contained, reported as a failed run with its
-reason, and the sandbox still works afterwards (checked after every test).
+"""Hostile code in the sandbox: each attack from issue 5 and the hardening issue is contained, reported as
+a failed run with its reason, and the sandbox still works afterwards (checked after every test).
 
 References: bubblewrap(1); setrlimit(2) and kill(2) (`kill(-1)` reaches every process the caller may
-signal: its own uid's); proc(5) (/proc/PID/environ needs ptrace access). rlimit mode has no network or
-filesystem isolation by design, so the network test and the private-/tmp checks are bwrap-only.
+signal: its own uid's); proc(5) (/proc/PID/environ needs ptrace access); cgroups(7) and the kernel's
+cgroup-v1/memory.rst (a group's limit covers all its processes; oom_kill counts the kernel's kills);
+seccomp(2) and unshare(2). rlimit mode has no network or filesystem isolation by design, so the network
+test and the private-/tmp checks are bwrap-only. Like the rest of this file, the job-cgroup tests run
+in CI (root, a cgroup v1 memory hierarchy) and fail there rather than skip.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
+import platform
 import secrets
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +25,19 @@ from typing import cast
 
 import pytest
 
-from inflight.envs.sandbox import IsolationChoice, SandboxLimits, SandboxResult, bwrap_problem, run_python
+from inflight.envs.sandbox import (
+    IsolationChoice,
+    MemoryBoundChoice,
+    SandboxLimits,
+    SandboxResult,
+    bwrap_problem,
+    detect_memory_bound,
+    run_python,
+    runner,
+)
+from inflight.envs.sandbox.cgroup import GROUP_PREFIX, cgroup_layout
 from inflight.envs.sandbox.pool import VerifierPool
+from inflight.envs.sandbox.seccomp import CLONE_SYSCALLS, DENIED_SYSCALLS
 
 HOSTILE = SandboxLimits(wall_s=15, cpu_s=5, memory_mb=256, max_processes=16, max_output_bytes=1 << 20)
 
@@ -51,8 +68,29 @@ def bwrap() -> Iterator[IsolationChoice]:
     assert run_python("print(1)", isolation="bwrap").ok
 
 
-def _run(code: str, isolation: IsolationChoice, limits: SandboxLimits = HOSTILE) -> SandboxResult:
-    return run_python(code, limits=limits, isolation=isolation)
+def _require_job_cgroup() -> None:
+    if detect_memory_bound() == "rlimit_split":
+        problem = cgroup_layout()
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must bound sandbox jobs with a cgroup: {problem}")
+        pytest.skip(f"no job cgroup can be made here: {problem}")
+
+
+def _run(
+    code: str,
+    isolation: IsolationChoice,
+    limits: SandboxLimits = HOSTILE,
+    memory_bound: MemoryBoundChoice = "auto",
+) -> SandboxResult:
+    return run_python(code, limits=limits, isolation=isolation, memory_bound=memory_bound)
+
+
+def _leftover_job_groups() -> list[Path]:
+    layout = cgroup_layout()
+    if isinstance(layout, str):
+        return []
+    parents = {layout.memory, layout.pids, layout.cpu} - {None}
+    return [path for parent in parents if parent for path in parent.glob(f"{GROUP_PREFIX}{os.getpid()}-*")]
 
 
 def _live_processes_running(token: str) -> list[int]:
@@ -143,11 +181,13 @@ def test_host_home_directory_is_not_readable(
         assert listing.reason == "filesystem", listing.stderr
 
 
-def test_fork_bomb_is_contained(isolation: IsolationChoice) -> None:
+@pytest.mark.parametrize("memory_bound", ["auto", "rlimit_split"])
+def test_fork_bomb_is_contained(isolation: IsolationChoice, memory_bound: MemoryBoundChoice) -> None:
     token = secrets.token_hex(8)
-    result = _run(f"import os  # {token}\nwhile True:\n    os.fork()", isolation)
+    result = _run(f"import os  # {token}\nwhile True:\n    os.fork()", isolation, memory_bound=memory_bound)
     assert (result.ok, result.reason) == (False, "processes"), result.stderr
     assert _live_processes_running(token) == []  # every copy is gone, not just the first
+    assert _leftover_job_groups() == []
 
 
 def test_fork_bomb_that_survives_fork_failures_is_killed_at_the_deadline(isolation: IsolationChoice) -> None:
@@ -166,12 +206,27 @@ def test_memory_bomb_is_contained(isolation: IsolationChoice) -> None:
 
 
 def test_infinite_loop_is_stopped_by_cpu_or_wall_limit(isolation: IsolationChoice) -> None:
-    by_cpu = _run("while True:\n    pass", isolation, HOSTILE.model_copy(update={"cpu_s": 1, "wall_s": 60}))
+    one_cpu_s = HOSTILE.model_copy(update={"cpu_s": 1, "wall_s": 60})
+    by_cpu = _run("while True:\n    pass", isolation, one_cpu_s)
     assert (by_cpu.ok, by_cpu.reason) == (False, "cpu")
+    # Ignoring SIGXCPU only delays the end to the hard limit's SIGKILL, which is still the CPU limit.
+    stubborn = _run(
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+        isolation,
+        one_cpu_s,
+    )
+    assert (stubborn.ok, stubborn.reason, stubborn.exit_code) == (False, "cpu", -9), stubborn
     by_wall = _run(
         "while True:\n    pass", isolation, HOSTILE.model_copy(update={"cpu_s": 60, "wall_s": 1.5})
     )
     assert (by_wall.ok, by_wall.reason) == (False, "timeout")
+
+
+def test_closing_its_pipes_does_not_escape_the_wall_limit(isolation: IsolationChoice) -> None:
+    limits = HOSTILE.model_copy(update={"wall_s": 1.5})
+    result = _run("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)", isolation, limits)
+    assert (result.ok, result.reason) == (False, "timeout"), result
+    assert limits.wall_s <= result.wall_s < limits.wall_s + 2
 
 
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
@@ -203,3 +258,148 @@ def test_kill_minus_one_reaches_no_other_sandbox(isolation: IsolationChoice) -> 
     started, ended = map(float, sleeper.stdout.split())
     (killed_at,) = map(float, killer.stdout.split())
     assert started < killed_at < ended  # the attack really happened while the other sandbox ran
+
+
+# Eight children each touch 200 MiB (1,600 MiB in all) under a 256 MiB job limit. Each reports every
+# 8 MiB it holds before it tries the next, and keeps it all until it exits.
+FORKED_MEMORY = """\
+import os, time  # {token}
+r, w = os.pipe()
+children = []
+for _ in range(8):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        held = []
+        for _ in range(25):
+            held.append(b'x' * (8 << 20))
+            os.write(w, b'8 ')
+        time.sleep(2)
+        os._exit(0)
+    children.append(pid)
+os.close(w)
+statuses = [os.waitpid(pid, 0)[1] for pid in children]
+print(sum(map(int, os.read(r, 1 << 16).split())), len(children), statuses)
+"""
+
+
+def test_forked_children_share_one_memory_limit(isolation: IsolationChoice) -> None:
+    """The issue's attack: forking to hold 1,336 MiB under a 256 MiB limit. In a job cgroup the kernel
+    kills children at the job's limit, the run says "memory", and its measured peak stays under it."""
+    _require_job_cgroup()
+    token = secrets.token_hex(8)
+    result = _run(FORKED_MEMORY.format(token=token), isolation)
+    assert result.memory_bound in ("cgroup1", "cgroup2")
+    assert (result.ok, result.reason) == (False, "memory"), result
+    if result.memory_bound == "cgroup1" or result.memory_peak_mb is not None:  # cgroup2: Linux >= 5.19
+        assert result.memory_peak_mb is not None
+        assert 200 < result.memory_peak_mb <= HOSTILE.memory_mb  # it pushed up to the limit, not past
+    assert _live_processes_running(token) == []
+    assert _leftover_job_groups() == []
+
+
+def test_forked_children_share_one_memory_limit_without_a_cgroup(isolation: IsolationChoice) -> None:
+    """The fallback: at most P processes of memory_mb / P address space each, so what the children
+    held at once (each reports what it holds; none frees before it exits) stays under the job limit."""
+    token = secrets.token_hex(8)
+    result = _run(FORKED_MEMORY.format(token=token), isolation, memory_bound="rlimit_split")
+    assert result.memory_bound == "rlimit_split" and result.memory_peak_mb is None
+    held_mb, children, _ = result.stdout.split(" ", 2)
+    assert 0 < int(held_mb) <= HOSTILE.memory_mb, result
+    assert int(children) < 8 and "MemoryError" in result.stderr  # forks and allocations were refused
+    assert _live_processes_running(token) == []
+
+
+UNSHARE_USER = """\
+import ctypes, os, subprocess
+tool = subprocess.run(['unshare', '-U', 'true'], capture_output=True, text=True)
+print(tool.returncode, tool.stderr.strip())
+if hasattr(os, 'unshare'):  # Python >= 3.12
+    os.unshare(os.CLONE_NEWUSER)
+elif ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:
+    raise PermissionError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+print('created a user namespace')
+"""
+
+
+def test_user_namespaces_cannot_be_created(isolation: IsolationChoice) -> None:
+    """A user namespace gives an unprivileged process root's powers over new namespaces and opens
+    kernel code otherwise reserved for root; the seccomp filter refuses both routes to one."""
+    result = _run(UNSHARE_USER, isolation)
+    assert (result.ok, result.reason) == (False, "permission"), result
+    assert result.stdout == "1 unshare: unshare failed: Operation not permitted\n"
+    assert "Operation not permitted" in result.stderr and "created" not in result.stdout
+
+
+# Each call's arguments are chosen so that, were it allowed, the kernel would not answer EPERM itself
+# (the control run below checks that); the clone child, if one is ever made, exits at once.
+SYSCALL_PROBE = """\
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(number, *args):
+    ctypes.set_errno(0)
+    result = libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
+    if result == 0 and number == {clone}:
+        os._exit(0)
+    if result > 0 and number == {clone}:
+        os.waitpid(result, 0)
+    return 'ok' if result >= 0 else errno.errorcode[ctypes.get_errno()]
+probes = {probes}
+print(json.dumps({{name: call(*args) for name, args in probes.items()}}))
+"""
+
+
+def _syscall_probe() -> str:
+    column = 0 if platform.machine() == "x86_64" else 1
+    number = {name: numbers[column] for name, numbers in DENIED_SYSCALLS.items()}
+    clone, clone3 = CLONE_SYSCALLS[platform.machine()]
+    probes = {  # unshare last: once it succeeds, the process is in the new namespace
+        "clone": (clone, 0x10000000 | 17, 0, 0, 0, 0),  # CLONE_NEWUSER | SIGCHLD
+        "clone3": (clone3, 0, 0),  # EINVAL if allowed (no arguments)
+        "setns": (number["setns"], -1, 0),
+        "ptrace": (number["ptrace"], 16, 0),  # PTRACE_ATTACH to pid 0: ESRCH if allowed
+        "process_vm_readv": (number["process_vm_readv"], os.getpid(), 0, 0, 0, 0, 0),
+        "pidfd_getfd": (number["pidfd_getfd"], -1, 0, 0),
+        "userfaultfd": (number["userfaultfd"], 1),  # UFFD_USER_MODE_ONLY: open to every user
+        "keyctl": (number["keyctl"], 9999),  # no such operation
+        "io_uring_setup": (number["io_uring_setup"], 1, 0),
+        "perf_event_open": (number["perf_event_open"], 0, 0, -1, -1, 0),
+        "unshare": (number["unshare"], 0x10000000),  # CLONE_NEWUSER
+    }
+    return SYSCALL_PROBE.format(clone=clone, probes=probes)
+
+
+def test_seccomp_refuses_syscalls_code_never_needs(isolation: IsolationChoice) -> None:
+    probe = _syscall_probe()
+    result = _run(probe, isolation)
+    assert result.ok, result
+    refused = json.loads(result.stdout)
+    assert refused == {name: "ENOSYS" if name == "clone3" else "EPERM" for name in refused}
+    # Control: the same calls, unfiltered, from an unprivileged uid as the sandbox uses, get other
+    # answers, so the EPERMs above are the filter's.
+    python = runner._rlimit_python(as_other_uid=True)
+    with runner._lease_uid() as uid:
+        ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        control = subprocess.run(
+            ["setpriv", *ids, "--", python, "-I", "-S", "-c", probe],
+            capture_output=True, text=True, cwd="/", timeout=30, check=True,
+        )  # fmt: skip
+    unfiltered = json.loads(control.stdout)
+    assert all(unfiltered[name] != answer for name, answer in refused.items()), unfiltered
+
+
+def test_ordinary_code_runs_under_the_filter(isolation: IsolationChoice) -> None:
+    """Threads (glibc tries clone3 first, then clone), fork, subprocess and a socketpair all work."""
+    code = (
+        "import os, socket, subprocess, threading\n"
+        "threads = [threading.Thread(target=sum, args=[range(10)]) for _ in range(4)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(7)\n"
+        "assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7\n"
+        "a, b = socket.socketpair(); a.sendall(b'hi'); assert b.recv(2) == b'hi'\n"
+        "print(subprocess.run(['echo', 'ok'], capture_output=True, text=True, check=True).stdout, end='')"
+    )
+    result = _run(code, isolation)
+    assert (result.ok, result.stdout) == (True, "ok\n"), result

@@ -31,6 +31,9 @@ class Captured:
     truncated: bool
     killed_for: KillReason | None
     wall_s: float
+    # CPU time of the main process and of the descendants it waited for (wait4). Covers the whole job
+    # only when the main process is the code itself, not bwrap, which does not pass its child's on.
+    cpu_s: float
 
 
 def run_capped(
@@ -42,6 +45,7 @@ def run_capped(
     cwd: str | None,
     env: dict[str, str],
     reap: Callable[[], None] = lambda: None,
+    pass_fds: tuple[int, ...] = (),
 ) -> Captured:
     """Run `argv` to its end, or kill it at `wall_s` or when a stream passes `max_output_bytes`."""
     start = time.monotonic()
@@ -53,6 +57,7 @@ def run_capped(
         stderr=subprocess.PIPE,
         cwd=cwd,
         env=env,
+        pass_fds=pass_fds,
         start_new_session=True,  # its own process group, so one killpg reaches every descendant left in it
     )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
@@ -83,7 +88,7 @@ def run_capped(
             if killed_at is not None and now - killed_at > DRAIN_AFTER_KILL_S:
                 break  # something unkillable holds the pipes: stop reading rather than hang
             events = selector.select(timeout=POLL_S if killed_at else min(POLL_S, max(deadline - now, 0.0)))
-            if not events and not reaped and killed_at is None and proc.poll() is not None:
+            if not events and not reaped and killed_at is None and _exited(proc.pid):
                 # The main process ended but descendants still hold the pipes open, which would keep
                 # us reading until the deadline: end them now.
                 reaped = True
@@ -106,9 +111,18 @@ def run_capped(
                     kill("output_limit")
     for stream in (proc.stdin, proc.stdout, proc.stderr):
         stream.close()
-    exit_code = _wait(proc)
+    # Usually the process has already exited; one that closed its pipes and ran on ends at the deadline.
+    waited = _wait(proc, until=deadline if killed_at is None else time.monotonic() + DRAIN_AFTER_KILL_S)
+    if waited is None:
+        kill("timeout")
+        waited = _wait(proc, until=time.monotonic() + DRAIN_AFTER_KILL_S)
+    if waited is None:
+        raise RuntimeError(
+            f"sandbox process {proc.pid} did not exit within {DRAIN_AFTER_KILL_S:g} s of SIGKILL"
+        )
+    exit_code, cpu_s = waited
     stdout, stderr = bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr])
-    return Captured(exit_code, stdout, stderr, truncated, killed_for, time.monotonic() - start)
+    return Captured(exit_code, stdout, stderr, truncated, killed_for, time.monotonic() - start, cpu_s)
 
 
 def _write_some(selector: selectors.BaseSelector, stream: IO[bytes], pending: memoryview) -> memoryview:
@@ -130,14 +144,20 @@ def _killpg(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def _wait(proc: subprocess.Popen[bytes]) -> int:
-    try:
-        return proc.wait(timeout=DRAIN_AFTER_KILL_S)
-    except subprocess.TimeoutExpired:
-        _killpg(proc.pid)
-        try:
-            return proc.wait(timeout=DRAIN_AFTER_KILL_S)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(
-                f"sandbox process {proc.pid} did not exit within {2 * DRAIN_AFTER_KILL_S:g} s of SIGKILL"
-            ) from None
+def _exited(pid: int) -> bool:
+    """Whether `pid` has exited, leaving it unreaped (WNOWAIT) for `_wait` to collect its CPU time."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _wait(proc: subprocess.Popen[bytes], *, until: float) -> tuple[int, float] | None:
+    """The exit code and CPU seconds of `proc` once it exits, or None if it still runs at `until`."""
+    delay_s = 0.0005
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait for it again
+            return proc.returncode, usage.ru_utime + usage.ru_stime
+        if time.monotonic() >= until:
+            return None
+        time.sleep(delay_s)
+        delay_s = min(2 * delay_s, POLL_S)

@@ -1,12 +1,14 @@
-"""The command lines that enforce SandboxLimits: bubblewrap namespaces, a throwaway uid and rlimits.
+"""The command lines that enforce SandboxLimits: job cgroup, namespaces, seccomp, throwaway uid, rlimits.
 
 Owns argv and environment construction as pure functions of their inputs; starts no process (the
 runner does). Layering, outermost first:
 
-    bwrap (namespaces, mounts; bwrap mode only)
-      -> setpriv (drop to a throwaway uid, no new privileges; when the host runs as root)
-        -> prlimit (RLIMIT_CPU/AS/NPROC/FSIZE/CORE)
-          -> python -I -B -c CODE
+    sh (joins the job's cgroups, so everything below is in them; when the job has a cgroup)
+      -> bwrap --seccomp FD (namespaces, mounts, the seccomp filter; bwrap mode)
+         | python -c LOADER_CODE FD (the seccomp filter; rlimit mode)
+        -> setpriv (drop to a throwaway uid, no new privileges; when the host runs as root)
+          -> prlimit (RLIMIT_CPU/AS/NPROC/FSIZE/CORE)
+            -> python -I -S -B -c CODE
 
 Why a throwaway uid: RLIMIT_NPROC counts processes per real uid and is not enforced for root, and a
 process may signal every process of its own uid (`kill -9 -1`). A uid used by nothing else makes the
@@ -22,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import PurePosixPath
 
 from inflight.envs.sandbox.limits import SandboxLimits
+from inflight.envs.sandbox.seccomp import LOADER_CODE
 
 SANDBOX_HOME = "/tmp"  # inside bwrap: the private tmpfs, the only writable place; also HOME and cwd
 # Read-only system paths bound into the sandbox; /usr holds the rest (merged-/usr distributions).
@@ -48,15 +51,28 @@ def python_argv(python: str, code: str) -> list[str]:
     return [python, "-I", "-S", "-B", "-c", code]
 
 
-def limits_argv(prlimit: str, limits: SandboxLimits, max_processes: int) -> list[str]:
+def enter_cgroup_argv(sh: str, procs_files: Iterable[str]) -> list[str]:
+    """The job's first process writes 0 (itself) to each group's cgroup.procs, then execs the rest:
+    everything it starts is born inside the groups, with no window in which a fork could escape."""
+    files = list(procs_files)
+    joins = "".join(f'echo 0 >"${i}" && ' for i in range(1, len(files) + 1))
+    return [sh, "-c", f'{joins}shift {len(files)} && exec "$@"', "sh", *files]
+
+
+def seccomp_loader_argv(python: str, seccomp_fd: int) -> list[str]:
+    """Loads the seccomp program read from `seccomp_fd`, then execs the argv that follows."""
+    return [python, "-I", "-S", "-B", "-c", LOADER_CODE, str(seccomp_fd)]
+
+
+def limits_argv(prlimit: str, limits: SandboxLimits, *, max_tasks: int, address_space_mb: int) -> list[str]:
     """prlimit applies the rlimits to the sandboxed process only (never to bwrap or the host)."""
     mib = 1 << 20
     return [
         prlimit,
         # soft < hard: SIGXCPU at the soft limit (reported as "cpu"), SIGKILL one second later.
         f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
-        f"--as={limits.memory_mb * mib}",
-        f"--nproc={max_processes}",
+        f"--as={address_space_mb * mib}",
+        f"--nproc={max_tasks}",
         f"--fsize={limits.max_file_mb * mib}",
         "--core=0",
         "--",
@@ -78,14 +94,15 @@ def drop_uid_argv(setpriv: str, uid: int) -> list[str]:
 
 
 def bwrap_argv(
-    bwrap: str, limits: SandboxLimits, extra_ro_dirs: Iterable[str], *, as_root: bool
+    bwrap: str, limits: SandboxLimits, extra_ro_dirs: Iterable[str], *, as_root: bool, seccomp_fd: int
 ) -> list[str]:
     """bwrap's own options, up to and including `--`: the inner command follows.
 
     New pid, net, ipc and uts namespaces (no network: only a loopback nobody else is on), a read-only
     view of /usr, the top-level library links and `extra_ro_dirs` (the Python installation), a fresh
     /dev and /proc, and a size-limited private tmpfs at /tmp; host directories such as $HOME, /root,
-    /home and the working tree are simply not there.
+    /home and the working tree are simply not there. The seccomp program read from `seccomp_fd` is
+    loaded last, just before the inner command starts.
     """
     args = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if not as_root:  # an unprivileged bwrap needs a user namespace to create the others
@@ -115,7 +132,7 @@ def bwrap_argv(
         args += ["--setenv", key, value]
     if as_root:  # only setpriv uses them, to drop to the throwaway uid; they are gone after that
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    return [*args, "--"]
+    return [*args, "--seccomp", str(seccomp_fd), "--"]
 
 
 def runnable_by_others(path: str) -> bool:

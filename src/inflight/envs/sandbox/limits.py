@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 # "auto" takes bwrap where it works here and falls back to rlimit with a warning.
 IsolationChoice = Literal["auto", "bwrap", "rlimit"]
 Isolation = Literal["bwrap", "rlimit"]
+# How a job's memory is bounded as a whole (see memory_bound.py); "auto" takes a cgroup where one can be
+# made here and falls back to rlimit_split.
+MemoryBoundChoice = Literal["auto", "cgroup", "rlimit_split"]
+MemoryBound = Literal["cgroup2", "cgroup1", "rlimit_split"]
 
 
 class SandboxLimits(BaseModel):
@@ -20,10 +24,12 @@ class SandboxLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    cpu_s: int = Field(default=5, ge=1, le=3600)  # RLIMIT_CPU: SIGXCPU at cpu_s, SIGKILL a second later
+    cpu_s: int = Field(default=5, ge=1, le=3600)  # RLIMIT_CPU per process: SIGXCPU, SIGKILL 1 s later
     wall_s: float = Field(default=10.0, gt=0, le=3600)  # the whole process tree is killed after this
-    memory_mb: int = Field(default=512, ge=32, le=1 << 20)  # RLIMIT_AS of every process in the sandbox
-    max_processes: int = Field(default=32, ge=1, le=4096)  # RLIMIT_NPROC under a throwaway uid
+    # The whole job: all its processes together (a cgroup), and each one's RLIMIT_AS. Without a cgroup,
+    # each process gets a share of it (memory_bound.py).
+    memory_mb: int = Field(default=512, ge=32, le=1 << 20)
+    max_processes: int = Field(default=32, ge=1, le=4096)  # tasks (threads count): pids cgroup and NPROC
     max_output_bytes: int = Field(default=1 << 20, ge=1, le=1 << 30)  # per stream; killed on overflow
     max_file_mb: int = Field(default=16, ge=0, le=1 << 20)  # RLIMIT_FSIZE: largest file it may write
     tmpfs_mb: int = Field(default=64, ge=1, le=1 << 20)  # bwrap: size of the private /tmp (all files)

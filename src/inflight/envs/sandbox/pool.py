@@ -3,6 +3,7 @@
 Owns concurrency, the bound on every wait, and counters; each job is one `run_python` call (a fresh
 sandbox). Slow or hostile code costs at most its own wall limit on one worker, and a caller never waits
 past `queue_timeout_s + job_timeout_s + KILL_GRACE_S`: `await pool.run(...)` never blocks the event loop.
+Each job's memory is bounded as a whole (memory_bound.py): together they hold about concurrency x memory_mb.
 """
 
 from __future__ import annotations

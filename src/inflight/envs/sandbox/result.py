@@ -11,13 +11,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from inflight.envs.sandbox.limits import Isolation
+from inflight.envs.sandbox.limits import Isolation, MemoryBound
 
 Reason = Literal[
     "error",  # exited nonzero (an uncaught exception, a failed assert, sys.exit(1))
     "timeout",  # ran past wall_s: the whole process tree was killed
-    "cpu",  # used cpu_s of CPU time (SIGXCPU, or SIGKILL at the hard limit)
-    "memory",  # an allocation failed under memory_mb (MemoryError)
+    "cpu",  # a process used cpu_s of CPU time (SIGXCPU, or SIGKILL at the hard limit)
+    "memory",  # an allocation failed (MemoryError), or the kernel killed a process at the job's memory_mb
     "processes",  # fork/thread creation refused under max_processes
     "output_limit",  # wrote more than max_output_bytes to stdout or stderr: killed
     "disk_limit",  # a file grew past max_file_mb, or the private /tmp filled up
@@ -58,6 +58,8 @@ class SandboxResult(BaseModel):
     isolation: Isolation
     wall_s: float
     warning: str | None = None  # set when the isolation is weaker than bwrap's
+    memory_bound: MemoryBound | None = None  # how the job's memory was bounded; None: it never ran
+    memory_peak_mb: float | None = None  # the job's peak, all processes together (cgroup bounds only)
 
     @classmethod
     def not_run(cls, reason: Reason, message: str, isolation: Isolation) -> SandboxResult:
@@ -74,20 +76,33 @@ class SandboxResult(BaseModel):
         return self.stdout + self.stderr
 
 
-def classify(exit_code: int, stderr: str, killed_for: Reason | None = None) -> Reason | None:
+def classify(
+    exit_code: int,
+    stderr: str,
+    killed_for: Reason | None = None,
+    *,
+    oom_killed: bool = False,
+    cpu_limit_reached: bool = False,
+) -> Reason | None:
     """Why an execution failed (None if it did not), from its exit code and the last line of stderr.
 
-    `killed_for` is the reason the runner itself killed the process tree, which always wins. A reason
-    read from a traceback is the sandbox's best reading, not a proof: e.g. code that raises
-    MemoryError itself is reported as "memory".
+    `killed_for` is the reason the runner itself killed the process tree, which always wins; then
+    `oom_killed` (the kernel killed one of the job's processes at its memory limit, whatever the exit
+    code). `cpu_limit_reached` (the job used cpu_s of CPU time) tells a SIGKILL at the hard CPU limit
+    from other SIGKILLs. A reason read from a traceback is the sandbox's best reading, not a proof:
+    e.g. code that raises MemoryError itself is reported as "memory".
     """
     if killed_for is not None:
         return killed_for
+    if oom_killed:
+        return "memory"
     if exit_code == 0:
         return None
     if exit_code < 0:
         signo = -exit_code
-        return "cpu" if signo == signal.SIGXCPU else "disk_limit" if signo == signal.SIGXFSZ else "killed"
+        if signo == signal.SIGXCPU or (signo == signal.SIGKILL and cpu_limit_reached):
+            return "cpu"
+        return "disk_limit" if signo == signal.SIGXFSZ else "killed"
     lines = stderr.rstrip().splitlines()
     match = _EXCEPTION.match(lines[-1].strip()) if lines else None
     if match is None:

@@ -1,8 +1,9 @@
 """Run untrusted Python in a sandbox: `run_python(code) -> SandboxResult`, and `detect_isolation()`.
 
-Owns the choice of isolation, the throwaway uids, rlimit mode's private working directory and the
-cleanup after every run. The command lines come from `command.py`, the process handling from
-`capture.py`. Every call starts a fresh process; nothing survives from one run to the next.
+Owns the choice of isolation, the throwaway uids, each run's job cgroup and seccomp program, rlimit
+mode's private working directory and the cleanup after every run. The command lines come from
+`command.py`, the process handling from `capture.py`, the memory bound from `memory_bound.py`. Every
+call starts a fresh process; nothing survives from one run to the next.
 """
 
 from __future__ import annotations
@@ -17,21 +18,40 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from inflight.envs.sandbox.capture import Captured, run_capped
+from inflight.envs.sandbox.cgroup import JobCgroup, JobUsage, job_cgroup
 from inflight.envs.sandbox.command import (
     SANDBOX_HOME,
     bwrap_argv,
     drop_uid_argv,
+    enter_cgroup_argv,
     limits_argv,
     minimal_env,
     python_argv,
     runnable_by_others,
+    seccomp_loader_argv,
 )
-from inflight.envs.sandbox.limits import Isolation, IsolationChoice, SandboxLimits
+from inflight.envs.sandbox.limits import (
+    Isolation,
+    IsolationChoice,
+    MemoryBound,
+    MemoryBoundChoice,
+    SandboxLimits,
+)
+from inflight.envs.sandbox.memory_bound import (
+    ProcessBudget,
+    cgroup_tasks,
+    detect_memory_bound,
+    job_layout,
+    process_budget,
+    resolve_memory_bound,
+)
 from inflight.envs.sandbox.result import RLIMIT_WARNING, SandboxResult, classify
+from inflight.envs.sandbox.seccomp import filter_program
 from inflight.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -41,19 +61,33 @@ DEFAULT_LIMITS = SandboxLimits()
 UID_FIRST, UID_COUNT = 1_900_000_000, 1 << 24
 TOOL_PATH = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin"  # the helpers must also be visible inside bwrap
 PROBE_CODE = "print('ok')"
-_SETUP_ERRORS = ("bwrap: ", "setpriv: ", "prlimit: ")  # how the helpers report their own failures
+# How the helpers report their own failures (the seccomp loader's prefix is in seccomp.LOADER_CODE).
+_SETUP_ERRORS = ("sh: ", "bwrap: ", "seccomp: ", "setpriv: ", "prlimit: ")
+
+
+@dataclass(frozen=True)
+class _Ran:
+    captured: Captured
+    usage: JobUsage
 
 
 def run_python(
-    code: str, *, stdin: str = "", limits: SandboxLimits = DEFAULT_LIMITS, isolation: IsolationChoice = "auto"
+    code: str,
+    *,
+    stdin: str = "",
+    limits: SandboxLimits = DEFAULT_LIMITS,
+    isolation: IsolationChoice = "auto",
+    memory_bound: MemoryBoundChoice = "auto",
 ) -> SandboxResult:
     """Run `code` with `python -c` in a fresh sandboxed process and report how it ended.
 
-    Never raises for anything the code does; raises UserError only when the requested isolation
-    cannot run here. `isolation="rlimit"` is weaker (no network or filesystem isolation): the result's
-    `warning` and a log line say so.
+    Never raises for anything the code does; raises UserError only when the requested isolation or
+    memory bound cannot run here. `isolation="rlimit"` is weaker (no network or filesystem
+    isolation): the result's `warning` and a log line say so. The result's `memory_bound` says how
+    the job's memory was bounded as a whole (see memory_bound.py).
     """
     mode = resolve_isolation(isolation)
+    bound = resolve_memory_bound(memory_bound)
     try:
         size = len(code.encode("utf-8"))
     except UnicodeEncodeError as e:  # a lone surrogate: no process could be given this as an argument
@@ -63,14 +97,22 @@ def run_python(
         return SandboxResult.not_run("code_too_large", message, mode)
     if "\0" in code:
         return SandboxResult.not_run("error", "SyntaxError: source code cannot contain null bytes", mode)
-    captured = _run(code, stdin.encode("utf-8", "replace"), limits, mode)
+    ran = _run(code, stdin.encode("utf-8", "replace"), limits, mode, bound)
+    captured, usage = ran.captured, ran.usage
     exit_code = captured.exit_code
     if mode == "bwrap" and exit_code > 128:
         exit_code = 128 - exit_code  # bwrap reports a child killed by signal N as 128 + N
     stderr = captured.stderr.decode("utf-8", "replace")
-    reason = classify(exit_code, stderr, captured.killed_for)
+    reason = classify(
+        exit_code,
+        stderr,
+        captured.killed_for,
+        oom_killed=usage.oom_kills > 0,
+        cpu_limit_reached=usage.cpu_s is not None and usage.cpu_s >= limits.cpu_s,
+    )
     if reason is not None and captured.killed_for is None and stderr.startswith(_SETUP_ERRORS):
         reason = "sandbox_error"
+    peak = usage.memory_peak_bytes
     return SandboxResult(
         ok=reason is None,
         exit_code=exit_code,
@@ -81,6 +123,8 @@ def run_python(
         isolation=mode,
         wall_s=captured.wall_s,
         warning=RLIMIT_WARNING if mode == "rlimit" else None,
+        memory_bound=bound,
+        memory_peak_mb=round(peak / (1 << 20), 1) if peak is not None else None,
     )
 
 
@@ -120,7 +164,7 @@ def bwrap_problem() -> str | None:
     if shutil.which("bwrap", path=TOOL_PATH) is None:
         return "bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
     try:
-        probe = _run(PROBE_CODE, b"", DEFAULT_LIMITS, "bwrap")
+        probe = _run(PROBE_CODE, b"", DEFAULT_LIMITS, "bwrap", detect_memory_bound()).captured
     except (OSError, UserError, RuntimeError) as e:
         return f"the probe could not start: {e}"
     if probe.exit_code != 0 or probe.stdout != b"ok\n":
@@ -139,51 +183,113 @@ def _warn_rlimit_once() -> None:
         )
 
 
-def _run(code: str, stdin: bytes, limits: SandboxLimits, mode: Isolation) -> Captured:
-    if os.geteuid() != 0:
-        return (
-            _run_bwrap(code, stdin, limits, None)
-            if mode == "bwrap"
-            else _run_rlimit(code, stdin, limits, None)
-        )
-    with _lease_uid() as uid:
-        return (
-            _run_bwrap(code, stdin, limits, uid) if mode == "bwrap" else _run_rlimit(code, stdin, limits, uid)
-        )
+@dataclass(frozen=True)
+class _Job:
+    """How one run is confined, whichever isolation runs it."""
+
+    limits: SandboxLimits
+    uid: int | None  # the throwaway uid (when we are root)
+    budget: ProcessBudget
+    prefix: list[str]  # joins the job's cgroup, if it has one
+    seccomp_fd: int
+    reap: Callable[[], None]  # kills what is left of the job
 
 
-def _run_bwrap(code: str, stdin: bytes, limits: SandboxLimits, uid: int | None) -> Captured:
-    # Killing bwrap ends the sandbox's pid namespace and so every process in it: nothing to reap.
+def _run(code: str, stdin: bytes, limits: SandboxLimits, mode: Isolation, bound: MemoryBound) -> _Ran:
+    layout = job_layout(bound)
+    with ExitStack() as stack:
+        uid = stack.enter_context(_lease_uid()) if os.geteuid() == 0 else None
+        group: JobCgroup | None = None
+        if layout is not None:
+            group = stack.enter_context(
+                job_cgroup(layout, memory_bytes=limits.memory_mb << 20, max_tasks=cgroup_tasks(limits, mode))
+            )
+        seccomp_fd = stack.enter_context(_seccomp_fd())
+        job = _Job(
+            limits=limits,
+            uid=uid,
+            budget=process_budget(limits, bound),
+            prefix=enter_cgroup_argv(_tool("sh"), group.procs_files) if group else [],
+            seccomp_fd=seccomp_fd,
+            reap=functools.partial(_reap, group, uid),
+        )
+        captured = _run_bwrap(code, stdin, job) if mode == "bwrap" else _run_rlimit(code, stdin, job)
+        if group is not None:
+            return _Ran(captured, group.usage())  # read before leaving the stack removes the group
+    # No cgroup: wait4's CPU time covers the job in rlimit mode, where the code is the main process.
+    return _Ran(captured, JobUsage(0, captured.cpu_s if mode == "rlimit" else None, None))
+
+
+def _run_bwrap(code: str, stdin: bytes, job: _Job) -> Captured:
+    # Killing bwrap ends the sandbox's pid namespace and so every process in it; `reap` is a backstop.
     python = _host_python()
-    inner = drop_uid_argv(_tool("setpriv"), uid) if uid is not None else []
-    inner += limits_argv(_tool("prlimit"), limits, limits.max_processes) + python_argv(python, code)
-    argv = bwrap_argv(_tool("bwrap"), limits, _python_dirs(python), as_root=uid is not None) + inner
+    inner = drop_uid_argv(_tool("setpriv"), job.uid) if job.uid is not None else []
+    inner += _limits_argv(job, job.budget.max_tasks) + python_argv(python, code)
+    sandbox = bwrap_argv(
+        _tool("bwrap"),
+        job.limits,
+        _python_dirs(python),
+        as_root=job.uid is not None,
+        seccomp_fd=job.seccomp_fd,
+    )
     env = minimal_env(SANDBOX_HOME)  # bwrap --clearenv replaces it inside; this keeps it from bwrap too
     return run_capped(
-        argv, stdin=stdin, wall_s=limits.wall_s, max_output_bytes=limits.max_output_bytes, cwd=None, env=env
+        job.prefix + sandbox + inner, stdin=stdin, wall_s=job.limits.wall_s,
+        max_output_bytes=job.limits.max_output_bytes, cwd=None, env=env, reap=job.reap,
+        pass_fds=(job.seccomp_fd,),
+    )  # fmt: skip
+
+
+def _run_rlimit(code: str, stdin: bytes, job: _Job) -> Captured:
+    python = _rlimit_python(as_other_uid=job.uid is not None)
+    workdir = tempfile.mkdtemp(prefix="inflight-sandbox-")
+    try:
+        if job.uid is None:  # RLIMIT_NPROC then counts all of our own processes: leave room for them
+            inner, max_tasks = [], job.budget.max_tasks + _count_tasks(os.getuid())
+        else:
+            os.chown(workdir, job.uid, job.uid)
+            inner, max_tasks = drop_uid_argv(_tool("setpriv"), job.uid), job.budget.max_tasks
+        argv = job.prefix + seccomp_loader_argv(python, job.seccomp_fd) + inner
+        argv += _limits_argv(job, max_tasks) + python_argv(python, code)
+        try:
+            return run_capped(
+                argv, stdin=stdin, wall_s=job.limits.wall_s, max_output_bytes=job.limits.max_output_bytes,
+                cwd=workdir, env=minimal_env(workdir), reap=job.reap, pass_fds=(job.seccomp_fd,),
+            )  # fmt: skip
+        finally:
+            job.reap()  # children that left the process group (setsid) and still run
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _limits_argv(job: _Job, max_tasks: int) -> list[str]:
+    return limits_argv(
+        _tool("prlimit"), job.limits, max_tasks=max_tasks, address_space_mb=job.budget.address_space_mb
     )
 
 
-def _run_rlimit(code: str, stdin: bytes, limits: SandboxLimits, uid: int | None) -> Captured:
-    python = _rlimit_python(as_other_uid=uid is not None)
-    workdir = tempfile.mkdtemp(prefix="inflight-sandbox-")
-    reap: Callable[[], None] = functools.partial(_kill_uid, uid) if uid is not None else lambda: None
+def _reap(group: JobCgroup | None, uid: int | None) -> None:
+    if group is not None:
+        group.kill()
+    if uid is not None:
+        _kill_uid(uid)
+
+
+@contextmanager
+def _seccomp_fd() -> Iterator[int]:
+    """A pipe holding the seccomp program, which bwrap or the loader reads whole in the job."""
+    read_fd, write_fd = os.pipe()
     try:
-        if uid is None:  # RLIMIT_NPROC then counts all of our own processes: leave room for them
-            inner, max_processes = [], limits.max_processes + _count_tasks(os.getuid())
-        else:
-            os.chown(workdir, uid, uid)
-            inner, max_processes = drop_uid_argv(_tool("setpriv"), uid), limits.max_processes
-        argv = inner + limits_argv(_tool("prlimit"), limits, max_processes) + python_argv(python, code)
-        try:
-            return run_capped(
-                argv, stdin=stdin, wall_s=limits.wall_s, max_output_bytes=limits.max_output_bytes,
-                cwd=workdir, env=minimal_env(workdir), reap=reap,
-            )  # fmt: skip
-        finally:
-            reap()  # children that left the process group (setsid) and still run
+        program = filter_program()
+        # Far below PIPE_BUF (4 KiB): one write puts it all in the pipe, and the reader sees EOF after it.
+        if os.write(write_fd, program) != len(program):
+            raise RuntimeError("the seccomp program did not fit in one pipe write")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        os.close(write_fd)
+    try:
+        yield read_fd
+    finally:
+        os.close(read_fd)
 
 
 class _UidLeases:
@@ -235,7 +341,7 @@ def _count_tasks(uid: int) -> int:
 def _tool(name: str) -> str:
     path = shutil.which(name, path=TOOL_PATH)
     if path is None:
-        package = "bubblewrap" if name == "bwrap" else "util-linux" if name != "kill" else "procps"
+        package = {"bwrap": "bubblewrap", "kill": "procps", "sh": "dash"}.get(name, "util-linux")
         raise UserError(f"the code sandbox needs `{name}` in {TOOL_PATH}; install {package}")
     return path
 
