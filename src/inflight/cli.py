@@ -21,6 +21,7 @@ BENCHMARKS = ("engine", "grpo", "pipeline", "serve", "sandbox")
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from inflight.config import apply_overrides, list_keys
+    from inflight.preflight import check_run
     from inflight.recipes import get_recipe
 
     if args.list_keys:
@@ -33,6 +34,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.run_dir:
         overrides.append(f"run_dir={json.dumps(args.run_dir)}")
     cfg = apply_overrides(recipe.preset(), overrides)
+    check_run(cfg)
     summary = recipe.main(cfg)
     print(json.dumps(summary))
     return 0
@@ -40,8 +42,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
     from inflight.models import build_tiny
+    from inflight.preflight import ensure_dir
 
-    out = build_tiny(args.out, preset=args.preset, seed=args.seed)
+    out = build_tiny(ensure_dir(args.out, "--out"), preset=args.preset, seed=args.seed)
     print(json.dumps({"model_dir": str(out), "preset": args.preset, "seed": args.seed}))
     return 0
 
@@ -107,8 +110,9 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from inflight.metrics.plot import plot_run
+    from inflight.preflight import check_output_file
 
-    print(plot_run(args.run_dir, args.out))
+    print(plot_run(args.run_dir, check_output_file(args.out, "--out") if args.out else None))
     return 0
 
 

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from inflight.api import routes_checkpoints, routes_futures, routes_sampling, routes_session, routes_training
-from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, is_loopback
+from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_api_keys, is_loopback
 from inflight.api.checkpoints import CheckpointNotFoundError, CheckpointStore
 from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
@@ -78,14 +78,7 @@ def _start(
 ) -> tuple[ServiceState, EngineWorker]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     if engine is None:
-        # torch + transformers: only when serving
-        from inflight.api.engine import ServiceEngine, ServiceEngineConfig
-
-        engine = ServiceEngine(
-            config.base_models,
-            max_rank=config.max_lora_rank,
-            config=ServiceEngineConfig(dtype=config.dtype),
-        )
+        engine = load_engine(config)
     base_models = {name: _base_model_info(engine, name) for name in engine.base_model_names()}
     db = Database(config.database_url)
     checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
@@ -158,6 +151,7 @@ def serve(
     Everything a user gave is checked before the base models load (state dir, database, model directories,
     port), and the models load before uvicorn starts, so each mistake is one line and exit code 2.
     """
+    api_keys = check_api_keys(api_keys)  # a blank key would read as none and open every route
     if not api_keys and not is_loopback(host):
         raise UserError(
             f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "

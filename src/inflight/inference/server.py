@@ -19,6 +19,7 @@ Routes (bodies in `wire.py` and `openai_api.py`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -434,23 +435,25 @@ def serve(
     log_level: str = "info",
 ) -> None:
     """Load `model` (a directory or hub id) into a BuiltinEngine and serve it until interrupted."""
-    import uvicorn
-
     from inflight.models import load_model, load_tokenizer
+    from inflight.preflight import bind_port, check_model_dir, serve_on
 
-    hf_model = load_model(model)
-    if max_seq_len_tokens is None:  # the cache is preallocated: a modest default, capped by the model
-        max_seq_len_tokens = min(1024, int(getattr(hf_model.config, "max_position_embeddings", 1024)))
-    config = BuiltinEngineConfig.model_validate(
-        dict(
-            max_batch_size=max_batch_size,
-            max_seq_len_tokens=max_seq_len_tokens,
-            dtype=dtype,
-            kv_policy=kv_policy,
+    check_model_dir(model)
+    # The port is taken before the weights load: a port in use fails at once, and stays ours meanwhile.
+    with contextlib.closing(bind_port(host, port)) as sock:
+        hf_model = load_model(model)
+        if max_seq_len_tokens is None:  # the cache is preallocated: a modest default, capped by the model
+            max_seq_len_tokens = min(1024, int(getattr(hf_model.config, "max_position_embeddings", 1024)))
+        config = BuiltinEngineConfig.model_validate(
+            dict(
+                max_batch_size=max_batch_size,
+                max_seq_len_tokens=max_seq_len_tokens,
+                dtype=dtype,
+                kv_policy=kv_policy,
+            )
         )
-    )
-    engine = BuiltinEngine(hf_model, load_tokenizer(model), config)
-    del hf_model  # the engine holds its own copy of the weights
-    app = create_app(engine, load_tokenizer(model), EngineServerConfig(model_name=model))
-    # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+        engine = BuiltinEngine(hf_model, load_tokenizer(model), config)
+        del hf_model  # the engine holds its own copy of the weights
+        app = create_app(engine, load_tokenizer(model), EngineServerConfig(model_name=model))
+        # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
+        serve_on(sock, app, host, port, log_level=log_level, access_log=False)

@@ -38,9 +38,20 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    from inflight.errors import UserError
+
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        from inflight.errors import UserError
-
         raise UserError(f"no {METRICS_FILE} in {run_dir}: is it a run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} line {number} is not JSON ({e.msg}): fix or delete that line") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path} line {number} is not a JSON object: fix or delete that line")
+        rows.append(row)
+    return rows

@@ -55,7 +55,7 @@ from inflight.orchestrator.sync_loop import rollout_metrics, sampling_params, to
 from inflight.rollouts.api import RolloutContext
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import Trainer
-from inflight.trainer.checkpoint import load_checkpoint, save_checkpoint
+from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
 from inflight.types import Completion, Rollout, RolloutGroup, SampleRequest, WeightUpdate
 
 
@@ -129,10 +129,10 @@ class _Pipeline:
 
     # -- resume and checkpoints -------------------------------------------------------------------
     def _resume(self) -> int:
-        """Restore the last checkpoint if there is one; returns the step to start from."""
-        if not (self.run_dir / "checkpoint").is_dir():
+        """Restore the newest complete checkpoint if there is one; returns the step to start from."""
+        meta = resume_checkpoint(self.parts.trainer, self.run_dir / "checkpoint")
+        if not meta:
             return 0
-        meta = load_checkpoint(self.parts.trainer, self.run_dir / "checkpoint")
         saved = meta.get("pipeline")
         if saved is None:  # a sync-loop checkpoint: continue from its weights and step
             return int(meta.get("step", 0))

@@ -12,6 +12,7 @@ import torch
 
 from inflight.config import RunConfig
 from inflight.errors import UserError
+from inflight.preflight import ensure_dir
 from inflight.trainer import Trainer, TrainerConfig
 
 
@@ -39,8 +40,7 @@ def resolve_model(cfg: RunConfig) -> str:
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
-    path = Path(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
-    path.mkdir(parents=True, exist_ok=True)
+    path = ensure_dir(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}", "--run-dir")
     (path / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
     return path
 

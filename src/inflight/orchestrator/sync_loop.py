@@ -33,7 +33,7 @@ from inflight.metrics.progress import StepProgress
 from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import run_episodes
 from inflight.trainer import Trainer
-from inflight.trainer.checkpoint import save_checkpoint
+from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
 from inflight.types import Rollout, RolloutGroup, SamplingParams, TrainSample, WeightUpdate
 
 
@@ -115,15 +115,18 @@ def train(
     run_dir: str,
     evaluate: Callable[[], dict[str, float]] | None = None,
 ) -> list[dict[str, float]]:
-    """Run cfg.grpo.steps on-policy steps; returns the per-step metrics.
+    """Run on-policy steps up to cfg.grpo.steps, continuing the newest complete checkpoint in run_dir if
+    there is one; returns the metrics of the steps this call ran.
 
     `evaluate` (the recipe's held-out evaluation) runs every cfg.eval.every_steps, logged as phase=eval.
     """
     engine, trainer = parts.engine, parts.trainer
+    # Prompts are a function of (seed, step), so starting at the checkpoint's step repeats no prompt.
+    first_step = int(resume_checkpoint(trainer, f"{run_dir}/checkpoint").get("step", 0))
     engine.update_weights(WeightUpdate(trainer.version, trainer.weights()))
     history: list[dict[str, float]] = []
     with StepProgress(cfg.grpo.steps, f"{cfg.recipe} (sync GRPO)", enabled=cfg.progress) as progress:
-        for step in range(cfg.grpo.steps):
+        for step in range(first_step, cfg.grpo.steps):
             t0 = time.perf_counter()
             groups = sample_groups(parts, cfg, step)  # 1. sample
             t_sample = time.perf_counter() - t0

@@ -27,7 +27,7 @@ from inflight.orchestrator.warmup import WarmupReply, format_warmup
 from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import run_episodes
 from inflight.trainer import LossConfig
-from inflight.trainer.checkpoint import save_checkpoint
+from inflight.trainer.checkpoint import checkpoint_step, save_checkpoint
 from inflight.types import Rollout, SamplingParams
 
 # (parts, cfg, num_episodes) -> eval metrics, at least "return_greedy" and "return" (sampled).
@@ -122,7 +122,8 @@ class RecipeRun:
     run_dir: Path
     logger: MetricsLogger
     parts: LoopParts
-    history: list[dict[str, float]]  # per-step training metrics
+    first_step: int  # where this process started: the step of the checkpoint it resumed, else 0
+    history: list[dict[str, float]]  # per-step training metrics of the steps this process ran
     initial: dict[str, float]  # evaluation before RL (after the warm-up)
     final: dict[str, float]  # evaluation after RL
     t0: float  # perf_counter at the start
@@ -133,9 +134,11 @@ def run_recipe(cfg: RunConfig, evaluate: Evaluate, warmup_reply: WarmupReply | N
     pipeline, by cfg.mode), evaluation, checkpoint."""
     t0 = time.perf_counter()
     run_dir = make_run_dir(cfg)
+    # Before any weights load: a damaged checkpoint fails now, in one line.
+    first_step = checkpoint_step(run_dir / "checkpoint")
     logger = MetricsLogger(run_dir)
     model, tokenizer = load_policy(cfg)
-    chat = ChatFormat(tokenizer)
+    chat = ChatFormat.for_model(tokenizer, model)
     new_env = env_factory(cfg)
 
     if cfg.warmup.sft_steps:
@@ -150,23 +153,25 @@ def run_recipe(cfg: RunConfig, evaluate: Evaluate, warmup_reply: WarmupReply | N
         parts, cfg, logger, str(run_dir), lambda: evaluate(parts, cfg, cfg.eval.num_episodes_during)
     )
     final = evaluate(parts, cfg, cfg.eval.num_episodes)
-    logger.log(len(history), final, phase="eval")
+    last_step = first_step + len(history)
+    logger.log(last_step, final, phase="eval")
     if cfg.mode == "sync":  # the pipeline writes its own (with stream offsets and buffered groups)
-        save_checkpoint(trainer, run_dir / "checkpoint", extra={"step": len(history)})
-    return RecipeRun(cfg, run_dir, logger, parts, history, initial, final, t0)
+        save_checkpoint(trainer, run_dir / "checkpoint", extra={"step": last_step})
+    return RecipeRun(cfg, run_dir, logger, parts, first_step, history, initial, final, t0)
 
 
 def build_summary(
     run: RecipeRun, counts: dict[str, Any], extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The keys every recipe reports, in this order: recipe, steps, wall_s, `counts` (what was evaluated),
-    return_initial/final (greedy), return_initial/final_sampled, `extra`, return_first10/last10 (mean
-    training reward of the first and last tenth of the steps), run_dir."""
+    """The keys every recipe reports, in this order: recipe, steps (all of the run's, those before a resume
+    included), wall_s, `counts` (what was evaluated), return_initial/final (greedy),
+    return_initial/final_sampled, `extra`, return_first10/last10 (mean training reward of the first and
+    last tenth of the steps this process ran), run_dir."""
     rewards = [h["reward_mean"] for h in run.history]
     tenth = max(1, len(rewards) // 10)
     return {
         "recipe": run.cfg.recipe,
-        "steps": len(run.history),
+        "steps": run.first_step + len(run.history),
         "wall_s": round(time.perf_counter() - run.t0, 1),
         **counts,
         # Greedy decoding of the policy (the convention of the reference numbers in the docs), and the
@@ -184,7 +189,7 @@ def build_summary(
 
 def finish(run: RecipeRun, summary: dict[str, Any]) -> dict[str, Any]:
     """Log the summary, write summary.json and curves.png; returns the summary."""
-    run.logger.log(len(run.history), summary, phase="summary")
+    run.logger.log(run.first_step + len(run.history), summary, phase="summary")
     run.logger.close()
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(run.run_dir)

@@ -27,6 +27,7 @@ from inflight.orchestrator.task_warmup import task_warmup
 from inflight.rollouts.api import RolloutContext, scripted_policy
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import LossConfig, TrainerConfig
+from inflight.trainer.checkpoint import checkpoint_step, find_checkpoint
 from inflight.types import Rollout, SamplingParams
 
 LOW, HIGH = 1, 1024
@@ -163,9 +164,10 @@ def main(cfg: RunConfig) -> dict:
     run_dir = make_run_dir(cfg)
     logger = MetricsLogger(run_dir)
     model, tokenizer = load_policy(cfg)
-    chat = ChatFormat(tokenizer)
+    chat = ChatFormat.for_model(tokenizer, model)
     task = GuessNumberTask("train")
-    resuming = (run_dir / "checkpoint").is_dir()
+    resuming = find_checkpoint(run_dir / "checkpoint") is not None
+    first_step = checkpoint_step(run_dir / "checkpoint")  # the summary counts the steps before a resume
     if cfg.warmup.sft_steps and not resuming:
         task_warmup(
             model,
@@ -188,7 +190,7 @@ def main(cfg: RunConfig) -> dict:
     summary = {
         "recipe": cfg.recipe,
         "mode": cfg.mode,
-        "steps": len(history),
+        "steps": first_step + len(history),
         "wall_s": round(time.perf_counter() - t0, 1),
         "eval_problems": cfg.eval.num_episodes,
         "return_initial": round(initial["return"], 4),

@@ -1,17 +1,23 @@
-"""Trainer checkpoints: model weights (safetensors), optimizer state and the step, written atomically.
+"""Trainer checkpoints: model weights (safetensors), optimizer state and the step, durable against a kill.
 
-A checkpoint is a directory; it is written under a temporary name and renamed into place, so a crash
-mid-write never leaves a half checkpoint where a resume would find it.
+A checkpoint is a directory whose metadata file (trainer_state.json, with every other file's size) is
+written last and fsynced, so its presence proves the checkpoint complete. A save writes `NAME.tmp`, then
+renames `NAME` -> `NAME.old` and `NAME.tmp` -> `NAME`, then deletes `NAME.old`. Whatever instant a kill
+stops it, `find_checkpoint` returns the newest complete one (`NAME.tmp` when the kill came between its
+renames), and the next save first moves that one back into place.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from inflight.errors import UserError
@@ -20,27 +26,120 @@ from inflight.trainer.trainer import Trainer
 WEIGHTS = "model.safetensors"
 OPTIMIZER = "optimizer.pt"
 META = "trainer_state.json"
+_FILES_KEY = "files"  # in META: {file name: bytes}, the proof that the files beside it are whole
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
+
+
+def _fsync(path: Path) -> None:
+    # Directories too: a rename is durable only once its directory is synced.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    """The metadata of a complete checkpoint at `path`, or None for an absent, partial or half-deleted one."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    # Checkpoints from before the size record: their directory was renamed into place whole.
+    sizes = meta.get(_FILES_KEY, {WEIGHTS: None, OPTIMIZER: None})
+    if not isinstance(sizes, dict) or not sizes:
+        return None
+    for name, size in sizes.items():
+        file = path / name
+        if not file.is_file() or (size is not None and file.stat().st_size != size):
+            return None
+    return meta
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """The newest complete checkpoint a save to `path` left, or None when there is none.
+
+    Raises UserError when `path` itself exists but is not a complete checkpoint: a save never leaves it so,
+    something else damaged it, and resuming from an older one or from step 0 would hide that.
+    """
+    path = Path(path)
+    if _read_meta(_tmp(path)) is not None:  # written whole, killed before or between the renames
+        return _tmp(path)
+    if path.exists():
+        if _read_meta(path) is None:
+            raise UserError(
+                f"checkpoint {path} is incomplete or corrupt (no valid {META} matching its files): "
+                "move it away to start this run from step 0"
+            )
+        return path
+    if _read_meta(_old(path)) is not None:  # only if `path` was removed by hand
+        return _old(path)
+    return None
+
+
+def resume_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
+    """Load the newest complete checkpoint at `path` (see `find_checkpoint`) into `trainer`; returns its
+    metadata, or {} when there is none to resume from."""
+    found = find_checkpoint(path)
+    return load_checkpoint(trainer, found) if found is not None else {}
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a run resuming from `path` starts at: 0 without a checkpoint."""
+    found = find_checkpoint(path)
+    meta = _read_meta(found) if found is not None else None
+    return int(meta.get("step", 0)) if meta is not None else 0
+
+
+def _settle(path: Path) -> None:
+    """Move a complete `NAME.tmp` (left by a save killed before or between its renames) into `NAME`'s place:
+    the save about to start deletes `NAME.tmp`, and it may be the newest checkpoint there is."""
+    tmp, old = _tmp(path), _old(path)
+    if _read_meta(tmp) is None:
+        return
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
 
 
 def save_checkpoint(trainer: Trainer, path: str | Path, extra: dict | None = None) -> Path:
-    """Write weights + optimizer + version to `path` (replacing an older checkpoint there)."""
+    """Write weights + optimizer + version to `path`, replacing the checkpoint there only once the new one
+    is complete (see the module docstring for the order of the writes)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp, old = _tmp(path), _old(path)
+    _settle(path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # safetensors refuses shared storage; contiguous clones keep tied weights writable too.
     state = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS))
     torch.save(trainer.optimizer.state_dict(), tmp / OPTIMIZER)
-    (tmp / META).write_text(json.dumps({"version": trainer.version, **(extra or {})}, indent=2))
+    sizes = {name: (tmp / name).stat().st_size for name in (WEIGHTS, OPTIMIZER)}
+    for name in sizes:
+        _fsync(tmp / name)
+    # Last: until this file is whole, `find_checkpoint` ignores the directory.
+    meta = {"version": trainer.version, **(extra or {}), _FILES_KEY: sizes}
+    with open(tmp / META, "w") as f:
+        f.write(json.dumps(meta, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(tmp)
     if path.exists():
-        old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
     return path
 
 
@@ -49,13 +148,23 @@ def load_checkpoint(trainer: Trainer, path: str | Path, load_optimizer: bool = T
     path = Path(path)
     if not (path / WEIGHTS).is_file():
         raise UserError(f"no checkpoint at {path} (expected {WEIGHTS} there)")
-    missing, unexpected = trainer.model.load_state_dict(load_file(str(path / WEIGHTS)), strict=False)
+    try:
+        weights = load_file(str(path / WEIGHTS))
+        optimizer = torch.load(path / OPTIMIZER, weights_only=True) if load_optimizer else None
+        meta = json.loads((path / META).read_text())
+    # What a damaged file raises: safetensors' header check, torch.load's zip reader and unpickler, json.
+    except (SafetensorError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"checkpoint {path} cannot be read ({reason}): move it away to start this run from step 0"
+        ) from None
+    missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
     if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
         raise UserError(
             f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}"
         )
-    if load_optimizer:
-        trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER, weights_only=True))
-    meta = json.loads((path / META).read_text())
+    if optimizer is not None:
+        trainer.optimizer.load_state_dict(optimizer)
     trainer.version = int(meta["version"])
+    meta.pop(_FILES_KEY, None)
     return meta

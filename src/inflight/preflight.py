@@ -1,0 +1,195 @@
+"""Checks a command makes before it reads any weights, so bad input fails in a second and in one line.
+
+Owns the listening socket (bound here, then handed to uvicorn: no window for another process to take the
+port), writable directories and output files, database URLs (by connecting, with a bounded timeout), model
+directories, engine URLs and environment kwargs. Each failure is a UserError naming the input and the fix.
+Knows nothing of what the commands do next; heavy imports stay inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import inspect
+import socket
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from inflight.errors import UserError
+
+if TYPE_CHECKING:
+    from inflight.config import RunConfig
+
+CONNECT_TIMEOUT_S = 10  # a database or engine that has not answered by then is reported as unreachable
+_BACKLOG = 2048  # uvicorn's default
+_DB_HINT = "use sqlite:///PATH or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB"
+# The driver argument that bounds a connection attempt, in whole seconds (libpq's and MySQL's).
+_CONNECT_TIMEOUT_ARG = {"postgresql": "connect_timeout", "mysql": "connect_timeout"}
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening; serve on it with `serve_on`.
+
+    It listens at once: on Linux, SO_REUSEADDR lets a second socket bind the same port until one listens.
+    Connections made while the weights load wait in the backlog rather than being refused.
+    """
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is out of range: use 1-65535")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # As uvicorn does: a restarted server rebinds at once over its old connections in TIME_WAIT.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(_BACKLOG)
+    except OSError as e:  # socket.gaierror (an unknown host) included
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(
+                f"port {port} on {host} is in use: stop what listens there, or pass another --port"
+            ) from None
+        raise UserError(f"cannot listen on {host}:{port} ({_reason(e)}): check --host and --port") from None
+    return sock
+
+
+def serve_on(sock: socket.socket, app: Any, host: str, port: int, **uvicorn_config: Any) -> None:
+    """Run `app` with uvicorn on the socket from `bind_port` until interrupted, as `uvicorn.run` would."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **uvicorn_config))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn.run's behaviour: Ctrl-C is a clean stop
+        server.run(sockets=[sock])
+    if not server.started:
+        raise SystemExit(3)  # uvicorn's code for a failed startup; its log above says why
+
+
+def ensure_dir(path: str | Path, what: str) -> Path:
+    """`path` as a directory this process can write in, created if missing."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what}: {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()  # creatable is not writable: a read-only mount, /proc
+    except OSError as e:
+        raise UserError(f"{what}: {path} is not a writable directory ({e.strerror or _reason(e)})") from None
+    return path
+
+
+def check_output_file(path: str | Path, what: str) -> Path:
+    """`path` as a file that can be written: not a directory, in a writable directory (created if missing)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise UserError(f"{what}: {path} is a directory; name a file")
+    ensure_dir(path.parent, what)
+    return path
+
+
+def check_database(url: str, what: str = "--db", timeout_s: int = CONNECT_TIMEOUT_S) -> None:
+    """Open the database at `url` and run one query: an unknown backend, a missing driver, an unwritable
+    SQLite path and an unreachable server all fail here. The password never appears in a message."""
+    from sqlalchemy import create_engine, make_url, text
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+    from sqlalchemy.pool import NullPool
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise UserError(f"{what} {url!r} is not a database URL: {_DB_HINT}") from None
+    shown = parsed.render_as_string(hide_password=True)
+    backend = parsed.get_backend_name()
+    connect_args: dict[str, Any] = {}
+    if backend == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            raise UserError(f"{what} {url!r} is in memory, which a restart loses: use sqlite:///PATH")
+        ensure_dir(Path(parsed.database).parent, f"{what} {shown!r}")
+    elif backend in _CONNECT_TIMEOUT_ARG:
+        connect_args[_CONNECT_TIMEOUT_ARG[backend]] = timeout_s
+    try:
+        engine = create_engine(parsed, connect_args=connect_args, poolclass=NullPool)
+    except NoSuchModuleError:
+        raise UserError(
+            f"{what} {shown!r}: unknown database backend {parsed.drivername!r}; {_DB_HINT}"
+        ) from None
+    except ImportError as e:
+        raise UserError(
+            f"{what} {shown!r}: the driver for {parsed.drivername!r} is not installed ({_reason(e)}); "
+            + _DB_HINT
+        ) from None
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except SQLAlchemyError as e:
+        reason = _reason(getattr(e, "orig", None) or e)
+        raise UserError(f"{what} {shown!r}: cannot connect ({reason})") from None
+    finally:
+        engine.dispose()
+
+
+def check_model_dir(name_or_path: str) -> None:
+    """A local model path must be a Hugging Face model directory; a hub id is left to the loader."""
+    from inflight.models.loader import resolve
+
+    local = Path(resolve(name_or_path))  # UserError for a path that does not exist or is a file
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise UserError(
+            f"model directory {str(local)!r} has no config.json, so it holds no Hugging Face model: "
+            f"build one with `inflight model tiny --out {local}`"
+        )
+
+
+def check_env(name: str, kwargs: dict[str, Any]) -> None:
+    """The environment exists and its constructor takes every key of `kwargs` (their values it checks)."""
+    from inflight.envs import ENVS
+
+    if name.startswith("openenv:"):
+        from inflight.envs.openenv_client import OpenEnvClientEnv
+
+        env_class: Any = OpenEnvClientEnv
+    elif name in ENVS:
+        env_class = ENVS[name]
+    else:
+        known = ", ".join(sorted(ENVS)) or "(none registered)"
+        raise UserError(f"unknown environment {name!r}; known environments: {known}")
+    params = inspect.signature(env_class).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise UserError(
+            f"env.kwargs: environment {name!r} takes no {', '.join(unknown)}; "
+            f"it takes: {', '.join(accepted) or 'nothing'}"
+        )
+
+
+def check_engine_urls(urls: list[str], timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Every inference replica answers /health."""
+    import httpx
+
+    for url in urls:
+        try:
+            status = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
+            raise UserError(
+                f"pipeline.engine_urls: {url} does not answer ({type(e).__name__}: {_reason(e)}): start it "
+                "with `inflight serve-engine --model DIR --port N`, or fix the URL"
+            ) from None
+        if status != 200:
+            raise UserError(
+                f"pipeline.engine_urls: {url}/health answered HTTP {status}: is it an inflight engine?"
+            )
+
+
+def check_run(cfg: RunConfig) -> None:
+    """What `inflight run` can check before its recipe builds anything (the run directory and its checkpoint
+    are checked where they are opened, also before the weights load)."""
+    if cfg.model.path:
+        check_model_dir(cfg.model.path)
+    check_env(cfg.env.name, cfg.env.kwargs)
+    check_engine_urls(cfg.pipeline.engine_urls)

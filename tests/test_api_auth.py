@@ -1,0 +1,116 @@
+"""Authentication that cannot be switched off by accident: a blank key is refused before anything starts,
+the public-bind guard decides by what the host resolves to (loopback aliases pass, every other address
+needs a key), and with a key every route but the ones the README lists as open answers 401.
+
+Reference: the hardening issue, "Authentication that cannot be switched off by accident".
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from inflight.api.app import BackgroundServer, create_app
+from inflight.api.auth import OPEN_PATHS, ApiKeyMiddleware, check_api_keys, is_loopback
+from inflight.api.service import ServiceConfig
+from inflight.errors import UserError
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+KEY = "tml-secret"
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.1", True),  # inet_aton's short form, as the bind itself reads it
+        ("127.0.0.2", True),
+        ("2130706433", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),  # every interface
+        ("::", False),
+        ("", False),
+        (" ", False),
+        ("10.1.2.3", False),
+        ("192.168.0.1", False),
+        ("no-such-host.invalid", False),
+    ],
+)
+def test_loopback_is_what_the_host_resolves_to(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize("keys", [[""], [" "], ["\t\n"], ["good", ""]])
+def test_a_blank_key_is_refused_everywhere(keys: list[str], tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="empty or blank"):
+        check_api_keys(keys)
+    with pytest.raises(ValidationError, match="empty or blank"):
+        ServiceConfig(base_models={"tiny": "unused"}, state_dir=tmp_path, api_keys=keys)
+    with pytest.raises(UserError, match="empty or blank"):
+        ApiKeyMiddleware(lambda *args: None, api_keys=keys)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--host", "127.1", "--api-key", ""], "empty or blank"),
+        (["--host", "127.0.0.1", "--api-key", "   "], "empty or blank"),
+        (["--host", "0.0.0.0"], "refusing to serve on '0.0.0.0'"),
+        (["--host", "::"], "refusing to serve on '::'"),
+    ],
+)
+def test_serve_refuses_in_one_line_before_loading_a_model(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    # The model directory does not exist: the refusal must come before anything reads it.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inflight.cli",
+            "serve",
+            "--base-model",
+            f"tiny={tmp_path / 'nope'}",
+            *args,
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_with_a_key_only_the_documented_routes_are_open(tiny_model_dir: Path, tmp_path: Path) -> None:
+    documented = set(re.findall(r"`(/api/v1/[a-z_/]+)`", _readme_open_routes()))
+    assert documented == set(OPEN_PATHS), "README's list of routes open without a key is out of date"
+    config = ServiceConfig(base_models={"tiny": str(tiny_model_dir)}, state_dir=tmp_path, api_keys=[KEY])
+    with BackgroundServer(create_app(config)) as server:
+        gets = ["server_stats", "get_server_capabilities", "training_runs", "samplers/x", "healthz"]
+        posts = ["client/config", "create_session", "asample", "retrieve_future", "telemetry"]
+        for method, routes in (("GET", gets), ("POST", posts)):
+            for route in routes:
+                path = f"/api/v1/{route}"
+                for headers in ({}, {"X-API-Key": ""}, {"X-API-Key": "tml-wrong"}):
+                    status = httpx.request(method, server.url + path, json={}, headers=headers).status_code
+                    assert (status != 401) is (path in OPEN_PATHS), (method, path, headers, status)
+                keyed = httpx.request(method, server.url + path, json={}, headers={"X-API-Key": KEY})
+                assert keyed.status_code != 401
+
+
+def _readme_open_routes() -> str:
+    """The README paragraph that names the routes served without a key."""
+    text = README.read_text()
+    match = re.search(r"^.*(?:open without|without a key).*$", text, flags=re.MULTILINE)
+    assert match, "README does not say which routes are open without an API key"
+    return match.group(0)
