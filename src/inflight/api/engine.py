@@ -18,10 +18,10 @@ import logging
 import secrets
 import tempfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,6 +67,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+ItemT = TypeVar("ItemT")
+OutputT = TypeVar("OutputT")
 
 
 class ServiceEngineConfig(BaseModel):
@@ -240,7 +242,9 @@ class ServiceEngine:
         self, base_name: str, items: Sequence[tuple[int, FbWork, LoraAdapter]]
     ) -> Sequence[ForwardBackwardOutput | Exception]:
         """One batched pass; if it fails, the gradients it added are taken back and each job runs alone,
-        so a fault fails only the job that causes it."""
+        so a fault fails only the job that causes it. A lone job that fails keeps the gradients of the
+        micro-batches that ran before the fault: its client sees a server error and decides (Tinker's
+        clients usually retry the whole step)."""
         # What the adapters' gradients held before this pass, to take a failed pass's share back. A copy is
         # adapter-sized, small next to the pass's activations.
         saved = [
@@ -249,34 +253,44 @@ class ServiceEngine:
             for t in adapter.parameters()
             if t.grad is not None and len(items) > 1
         ]
-        slots = _assign_slots([(work, adapter) for _, work, adapter in items])
-        base = self._bases[base_name]
-        try:
+
+        def run(batch: Sequence[tuple[int, FbWork, LoraAdapter]]) -> Sequence[ForwardBackwardOutput]:
+            base = self._bases[base_name]
+            slots = _assign_slots([(work, adapter) for _, work, adapter in batch])
+            work = [work for _, work, _ in batch]
             return run_forward_backward(
-                base.model,
-                base.router,
-                slots,
-                [work for _, work, _ in items],
-                self.max_batch_tokens,
-                self._device,
+                base.model, base.router, slots, work, self.max_batch_tokens, self._device
             )
-        except Exception as exc:  # a fault of the batched pass fails its jobs, not the engine
-            self.counters["failed_batches"] += 1
-            if len(items) == 1:
-                # Micro-batches that ran before the fault keep their gradients: the job's client sees a
-                # server error and decides (Tinker's clients usually retry the whole step).
-                log.exception("forward_backward failed on %s", base_name)
-                return [exc]
-            log.warning(
-                "forward_backward of %d jobs on %s failed (%s); running them one by one",
-                len(items),
-                base_name,
-                exc,
-            )
+
+        def restore() -> None:
             for t, grad in saved:
                 t.grad = grad
+
+        return self._isolating_faults("forward_backward", base_name, items, run, restore)
+
+    def _isolating_faults(
+        self,
+        what: str,
+        base_name: str,
+        items: Sequence[ItemT],
+        run: Callable[[Sequence[ItemT]], Sequence[OutputT]],
+        before_retry: Callable[[], None] = lambda: None,
+    ) -> Sequence[OutputT | Exception]:
+        """`run(items)`; if that raises, `before_retry()` and then `run` on each item alone, so a fault of the
+        batched call fails only the items that cause it, not their neighbours (nor the engine)."""
+        try:
+            return run(items)
+        except Exception as exc:  # fault-tolerance boundary: counted, logged, and the item's own result
+            self.counters["failed_batches"] += 1
+            if len(items) == 1:
+                log.exception("%s failed on %s", what, base_name)
+                return [exc]
+            log.warning(
+                "%s of %d jobs on %s failed (%s); running them one by one", what, len(items), base_name, exc
+            )
+            before_retry()
             self.counters["batches_split"] += 1
-            return [output for item in items for output in self._forward_backward_group(base_name, [item])]
+            return [out for item in items for out in self._isolating_faults(what, base_name, [item], run)]
 
     def optim_step(self, step: OptimStep) -> dict[str, float]:
         """AdamW exactly like torch.optim.AdamW with this step's hyper-parameters (after clipping the global
@@ -329,29 +343,21 @@ class ServiceEngine:
     ) -> Sequence[SampleOutput | Exception]:
         """One batched generation; if it fails, each job runs alone, so a fault fails only the job that
         causes it (seeded jobs give the same tokens alone as batched)."""
-        slots = _assign_slots([(prepared, adapter) for _, prepared, adapter in items])
-        base = self._bases[base_name]
-        try:
+
+        def run(batch: Sequence[tuple[int, PreparedSample, LoraAdapter | None]]) -> Sequence[SampleOutput]:
+            base = self._bases[base_name]
             return run_sampling(
                 base.model,
                 base.router,
-                slots,
-                [prepared for _, prepared, _ in items],
+                _assign_slots([(prepared, adapter) for _, prepared, adapter in batch]),
+                [prepared for _, prepared, _ in batch],
                 base.tokenizer,
                 self._generator,
                 self.config.max_sample_rows,
                 self._device,
             )
-        except Exception as exc:  # a fault of the batched pass fails its jobs, not the engine
-            self.counters["failed_batches"] += 1
-            if len(items) == 1:
-                log.exception("sample failed on %s", base_name)
-                return [exc]
-            log.warning(
-                "sample of %d jobs on %s failed (%s); running them one by one", len(items), base_name, exc
-            )
-            self.counters["batches_split"] += 1
-            return [output for item in items for output in self._sample_group(base_name, [item])]
+
+        return self._isolating_faults("sample", base_name, items, run)
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
