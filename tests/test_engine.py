@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from inflight.errors import UserError
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig, Engine
 from inflight.inference.qwen2 import gate_up_linear
 from inflight.inference.sampling import sample
@@ -405,7 +406,11 @@ def test_bad_input_is_rejected_clearly(model) -> None:
         engine.add_request(request)
     with pytest.raises(ValueError):
         BuiltinEngineConfig(max_batch_size=4, bogus=1)  # type: ignore[call-arg]
+    # A rope scaling the fast path lacks: one clear line when asked for the fast path, else the generic one
+    # (tests/test_model_families.py holds that path to HF).
     rope_model = tiny_model()
     rope_model.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
-    with pytest.raises(ValueError, match="default RoPE"):
-        BuiltinEngine(rope_model)
+    fast = BuiltinEngineConfig(max_seq_len_tokens=16, runner="fast")
+    with pytest.raises(UserError, match=r"engine.runner=fast: rope_type 'linear'.*engine.runner=auto"):
+        BuiltinEngine(rope_model, config=fast)
+    assert BuiltinEngine(rope_model, config=BuiltinEngineConfig(max_seq_len_tokens=16)).runner == "hf"

@@ -1,7 +1,8 @@
 """The built-in engine: request lifecycle (waiting -> cache row -> finished), stop conditions, per-token
 versions, weight swaps between steps and the KV policy of sequences in flight across a swap. The forward
-pass is in `qwen2.py`, sampling in `sampling.py`. One driver thread calls step()/generate(); add_request,
-abort, update_weights and metrics are thread-safe.
+pass is a `runner.ModelRunner` (`qwen2.py` for the families it reproduces, else `hf_runner.py`), sampling
+is `sampling.py`. One driver thread calls step()/generate(); add_request, abort, update_weights and
+metrics are thread-safe.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from inflight.inference.qwen2 import ModelRunner, ModelSpec, Weights
+from inflight.inference.runner import ModelRunner, RunnerChoice, build_runner
 from inflight.inference.sampling import sample
 from inflight.types import Completion, FinishReason, SampleRequest, WeightUpdate
 
@@ -42,6 +43,10 @@ class BuiltinEngineConfig(BaseModel):
     # row), which bounds the activation memory of a large batch of long sequences.
     recompute_chunk_tokens: int = Field(default=16384, ge=1)
     recent_updates_kept: int = Field(default=32, ge=0)  # UpdateRecords kept for metrics()
+    # The forward pass. "fast": the engine's own (Qwen2/Qwen2.5, Qwen3, Llama incl. Llama 3 rope scaling,
+    # Mistral). "hf": the model's Hugging Face forward with its KV cache: any causal LM, slower. "auto":
+    # fast where it reproduces the model exactly, else hf (with a one-line warning saying why).
+    runner: RunnerChoice = "auto"
 
 
 @dataclass
@@ -73,6 +78,7 @@ class EngineMetrics:
 
     version: int
     kv_policy: str
+    runner: str  # the forward pass in use: "fast" or "hf"
     num_running: int  # sequences in cache rows
     num_waiting: int  # requests not yet admitted
     tokens_generated: int
@@ -121,7 +127,7 @@ class _Counters:
 
 
 class BuiltinEngine:
-    """Continuous-batching engine on CPU over a Qwen2/Llama/Qwen3-architecture HF model (weights copied).
+    """Continuous-batching engine on CPU over a Hugging Face causal LM (weights copied).
 
     Stops only where asked: add the EOS id to `SamplingParams.stop_token_ids` to stop at EOS.
     """
@@ -129,14 +135,10 @@ class BuiltinEngine:
     def __init__(self, model: Any, tokenizer: Any = None, config: BuiltinEngineConfig | None = None) -> None:
         self.config = config or BuiltinEngineConfig()
         self._dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
-        spec = ModelSpec.from_hf_config(model.config)
-        state_dict = model.state_dict()
-        self._param_shapes = {name: tuple(t.shape) for name, t in state_dict.items()}
-        with torch.inference_mode():
-            weights = Weights.from_state_dict(state_dict, spec, self._dtype)
-            self._runner = ModelRunner(
-                spec, weights, self.config.max_batch_size, self.config.max_seq_len_tokens
-            )
+        self._param_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        self._runner: ModelRunner[Any] = build_runner(
+            model, self.config.runner, self._dtype, self.config.max_batch_size, self.config.max_seq_len_tokens
+        )
         self._tokenizer = tokenizer
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._version = 0
@@ -146,13 +148,18 @@ class BuiltinEngine:
         self._waiting: deque[SampleRequest] = deque()
         self._in_flight: set[str] = set()  # request ids waiting or running
         self._aborts: set[str] = set()
-        self._pending: tuple[int, Weights, float] | None = None  # version, weights, copy seconds
+        self._pending: tuple[int, Any, float] | None = None  # version, runner's weight snapshot, copy seconds
         self._counters = _Counters()
         self._recent_updates: deque[UpdateRecord] = deque(maxlen=self.config.recent_updates_kept)
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def runner(self) -> str:
+        """The forward pass in use: "fast" (the engine's own) or "hf" (the model's Hugging Face forward)."""
+        return self._runner.name
 
     def add_request(self, request: SampleRequest) -> None:
         self._validate(request)
@@ -181,6 +188,7 @@ class BuiltinEngine:
             return EngineMetrics(
                 version=self._version,
                 kv_policy=self.config.kv_policy,
+                runner=self._runner.name,
                 num_running=len(self._running),
                 num_waiting=len(self._waiting),
                 recent_updates=tuple(self._recent_updates),
@@ -204,7 +212,7 @@ class BuiltinEngine:
         self._check_names(update)
         start = time.perf_counter()
         with torch.inference_mode():
-            weights = Weights.from_state_dict(update.state_dict, self._runner.spec, self._dtype)
+            weights = self._runner.snapshot(update.state_dict)
         copy_s = time.perf_counter() - start
         with self._lock:
             if self._pending is not None:
@@ -257,11 +265,12 @@ class BuiltinEngine:
             self._running.append(_Sequence(request, generator, kv_version=self._version))
         return finished, len(admitted)
 
-    def _install(self, version: int, weights: Weights, copy_s: float) -> None:
-        """Swap weights between two decode steps, in one assignment (a step never mixes two versions),
-        then apply the KV policy to the sequences in flight."""
+    def _install(self, version: int, weights: Any, copy_s: float) -> None:
+        """Swap weights between two decode steps (a step never mixes two versions), then apply the KV
+        policy to the sequences in flight."""
         start = time.perf_counter()
-        self._version, self._runner.weights = version, weights
+        self._runner.install(weights)
+        self._version = version
         recomputed = 0
         if self.config.kv_policy == "recompute" and self._running:
             recomputed = self._recompute_cache()
@@ -399,7 +408,7 @@ class BuiltinEngine:
                 f"max_seq_len_tokens={self.config.max_seq_len_tokens} allows; raise "
                 "BuiltinEngineConfig.max_seq_len_tokens or shorten the prompt"
             )
-        vocab = self._runner.spec.vocab_size
+        vocab = self._runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"request {rid}: prompt token ids must lie in [0, {vocab})")
         if request.params.stop and self._tokenizer is None:
@@ -409,8 +418,8 @@ class BuiltinEngine:
 
     def _check_names(self, update: WeightUpdate) -> None:
         given, expected = set(update.state_dict), set(self._param_shapes)
-        optional = {"lm_head.weight"} if self._runner.spec.tie_word_embeddings else set()
-        missing, unknown = sorted(expected - given - optional), sorted(given - expected)
+        missing = sorted(expected - given - self._runner.optional_update_names)
+        unknown = sorted(given - expected)
         if missing or unknown:
             raise ValueError(
                 f"WeightUpdate v{update.version}: missing names {missing}, unknown names {unknown}"

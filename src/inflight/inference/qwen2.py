@@ -1,11 +1,15 @@
-"""The engine's own Qwen2/Llama/Qwen3 forward pass over a weight snapshot, with a preallocated KV cache.
+"""The engine's own forward pass for Qwen2/Qwen2.5, Qwen3, Llama (with Llama 3's rope scaling) and Mistral,
+over a weight snapshot, with a preallocated KV cache: the fast `ModelRunner`.
 
-Owns the numerics (it must match HF's full-sequence forward in float32) and the cache layout; it knows
-nothing about requests, sampling or versions.
+Owns the numerics (it must match HF's full-sequence forward in float32), the cache layout, and the test of
+which models it reproduces exactly (`ModelSpec.from_hf_config`, `Weights.from_state_dict`: anything else
+raises `UnsupportedModel`, and the engine runs it on `hf_runner`). It knows nothing about requests,
+sampling or versions.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +18,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inflight.inference.runner import ModelRunner
+
 # attend(layer, q [b, t, H, D], k [b, t, KV, D], v [b, t, KV, D]) -> [b * t, H * D]
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+# Model types whose HF forward is exactly this module's (pre-norm, SwiGLU, RMSNorm, RoPE, GQA). Checked by
+# name: other types share these parameter names but not the numerics (Granite's multipliers, Gemma's
+# 1 + weight norms), and must not pass for one of these.
+FAST_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+
+
+class UnsupportedModel(ValueError):
+    """The model needs something this forward does not implement; the message names it in one line."""
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """Llama 3.1's rope scaling (rope_type "llama3"): low frequencies slowed by `factor`, a smooth ramp."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -31,20 +56,44 @@ class ModelSpec:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    llama3_rope: Llama3Rope | None = None  # None: the default RoPE
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelSpec:
+    def from_hf_config(cls, config: Any, max_seq_len: int) -> ModelSpec:
+        """The spec, or UnsupportedModel when HF's forward does something this one does not (for sequences
+        of up to `max_seq_len` tokens: a sliding window longer than that never slides)."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in FAST_MODEL_TYPES:
+            raise UnsupportedModel(f"model_type {model_type!r} is not one of {sorted(FAST_MODEL_TYPES)}")
         rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"BuiltinEngine supports only the default RoPE, got rope_type={rope_type!r}")
+        if rope_type not in ("default", "llama3"):
+            raise UnsupportedModel(f"rope_type {rope_type!r} (implemented: 'default', 'llama3')")
+        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        if partial not in (None, 1, 1.0):
+            raise UnsupportedModel(f"partial_rotary_factor={partial} (only full rotary embeddings)")
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"BuiltinEngine supports only SwiGLU (hidden_act='silu'), got {config.hidden_act!r}"
+            raise UnsupportedModel(f"hidden_act={config.hidden_act!r} (only SwiGLU, hidden_act='silu')")
+        layer_types = set(getattr(config, "layer_types", None) or [])
+        if layer_types - {"full_attention", "sliding_attention"}:
+            raise UnsupportedModel(f"layer_types {sorted(layer_types)} (only full and sliding attention)")
+        # Without layer_types (Mistral) a sliding_window applies to every layer.
+        window = getattr(config, "sliding_window", None)
+        if window is not None and window < max_seq_len and layer_types != {"full_attention"}:
+            raise UnsupportedModel(
+                f"sliding_window={window} is shorter than engine.max_seq_len_tokens={max_seq_len} "
+                "(only attention over the whole sequence)"
             )
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"BuiltinEngine supports only full attention, got layer_types={layer_types}")
+        llama3 = None
+        if rope_type == "llama3":
+            llama3 = Llama3Rope(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    rope.get("original_max_position_embeddings") or config.max_position_embeddings
+                ),
+            )
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -55,7 +104,30 @@ class ModelSpec:
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            llama3_rope=llama3,
         )
+
+
+def rope_inv_freq(spec: ModelSpec) -> Tensor:
+    """[head_dim / 2] inverse frequencies (float32), op for op as transformers computes them
+    (`modeling_rope_utils._compute_llama3_parameters` for Llama 3), so the tables match HF's bitwise."""
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float) / d))
+    r = spec.llama3_rope
+    if r is None:
+        return inv_freq
+    low_freq_wavelen = r.original_max_position_embeddings / r.low_freq_factor
+    high_freq_wavelen = r.original_max_position_embeddings / r.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Wavelengths above low_freq_wavelen are slowed by `factor`, below high_freq_wavelen kept; in between,
+    # a mix of both with a weight linear in context / wavelength.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / r.factor, inv_freq)
+    smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (
+        r.high_freq_factor - r.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
 
 
 @dataclass(frozen=True)
@@ -89,6 +161,8 @@ class Weights:
         used: set[str] = set()
 
         def get(name: str) -> Tensor:
+            if name not in sd:
+                raise UnsupportedModel(f"no parameter {name!r} (not the Qwen2/Llama layout)")
             used.add(name)
             return sd[name].detach().to(device="cpu", dtype=dtype, copy=True)  # the engine runs on CPU
 
@@ -119,7 +193,8 @@ class Weights:
         # Tied models: HF lists lm_head.weight too (the same tensor as the embedding); it is not read.
         unsupported = sorted(set(sd) - used - {"lm_head.weight"})
         if unsupported:
-            raise ValueError(f"BuiltinEngine does not support these parameters: {unsupported}")
+            more = f" and {len(unsupported) - 3} more" if len(unsupported) > 3 else ""
+            raise UnsupportedModel(f"parameters the fast path does not use: {unsupported[:3]}{more}")
         return cls(embed=embed, layers=tuple(layers), norm=norm, lm_head=lm_head)
 
 
@@ -134,7 +209,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """RoPE as HF computes it, x * cos + rotate_half(x) * sin, with rotate_half(x) * sin written as
-    roll(x) * signed_sin: the sign lives in the table (`ModelRunner.signed_sin`), which saves a negation
+    roll(x) * signed_sin: the sign lives in the table (`Qwen2Runner.signed_sin`), which saves a negation
     and a cat per call and is bitwise the same (negation commutes with rounding). Not addcmul: its single
     rounding would depart from HF's in bfloat16.
     """
@@ -195,22 +270,27 @@ def gate_up_linear(x: Tensor, gate_up: Tensor) -> tuple[Tensor, Tensor]:
     return out[0], out[1]
 
 
-class ModelRunner:
-    """Prefill and decode over cache rows; `weights` is replaced wholesale by the engine."""
+class Qwen2Runner(ModelRunner[Weights]):
+    """Prefill and decode over cache rows; `weights` is replaced wholesale by `install`."""
+
+    name = "fast"
 
     def __init__(self, spec: ModelSpec, weights: Weights, max_batch_size: int, max_seq_len: int) -> None:
         self.spec, self.weights, self.max_seq_len = spec, weights, max_seq_len
-        dtype = weights.embed.dtype
+        self.dtype = weights.embed.dtype
+        self.vocab_size = spec.vocab_size
+        # Tied models: HF's state dict lists lm_head.weight too, the embedding under a second name.
+        self.optional_update_names = frozenset({"lm_head.weight"} if spec.tie_word_embeddings else ())
+        dtype = self.dtype
         shape = (max_batch_size, max_seq_len, spec.num_kv_heads, spec.head_dim)
         # k_cache[layer][row, position, kv_head]: active sequences occupy rows 0..n-1. Heads innermost, so
         # that a decode step writes a row's new K of all heads as one slot, and a row's keys over a span
         # are one [span * kv heads, D] matrix (see decode).
         self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
-        # Same formula as HF's default rotary embedding, computed once in float32 for every position.
+        # HF's rotary tables, computed once in float32 for every position.
         d = spec.head_dim
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * inv_freq
+        freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * rope_inv_freq(spec)
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
         self.cos = emb.cos().to(dtype)
@@ -219,6 +299,20 @@ class ModelRunner:
         self.columns = torch.arange(max_seq_len * spec.num_kv_heads)
         # The kv head of each query head (GQA): query head h reads kv head h // (heads per kv head).
         self.query_group = torch.arange(spec.num_heads) // (spec.num_heads // spec.num_kv_heads)
+
+    @classmethod
+    def from_model(cls, model: Any, dtype: torch.dtype, max_batch_size: int, max_seq_len: int) -> Qwen2Runner:
+        """A runner over a copy of an HF model's weights; UnsupportedModel if it is not one of ours."""
+        spec = ModelSpec.from_hf_config(model.config, max_seq_len)
+        with torch.inference_mode():
+            weights = Weights.from_state_dict(model.state_dict(), spec, dtype)
+            return cls(spec, weights, max_batch_size, max_seq_len)
+
+    def snapshot(self, state_dict: dict[str, Tensor]) -> Weights:
+        return Weights.from_state_dict(state_dict, self.spec, self.dtype)
+
+    def install(self, weights: Weights) -> None:
+        self.weights = weights  # one assignment: each pass reads `self.weights` once (see prefill, decode)
 
     def prefill(self, prompts: list[list[int]], row0: int | None) -> Tensor:
         """Logits [b, V] (float32) at each prompt's last token; writes KV rows row0.. (None: no cache)."""

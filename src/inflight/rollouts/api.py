@@ -81,7 +81,7 @@ class ChatSession:
 
     def __init__(self, ctx: RolloutContext, system_prompt: str | None = None) -> None:
         self.ctx = ctx
-        self.format = ChatFormat(ctx.chat_format.tokenizer, system_prompt or ctx.chat_format.system_prompt)
+        self.format = ctx.chat_format.with_system_prompt(system_prompt or ctx.chat_format.system_prompt)
         self.token_ids: list[int] = []
         self.loss_mask: list[bool] = []
         self.logprobs: list[float] = []
@@ -104,8 +104,9 @@ class ChatSession:
             raise RuntimeError("ChatSession.assistant() needs a user() message first")
         params = params or self.ctx.params
         end = self.format.end_of_turn_id
-        if end not in params.stop_token_ids:
-            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, end))
+        stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.format.stop_token_ids)))
+        if stops != params.stop_token_ids:
+            params = dataclasses.replace(params, stop_token_ids=stops)
         c = await self.ctx.generate(self.token_ids, params)
         self._extend(c.token_ids, [True] * len(c.token_ids), list(c.logprobs), list(c.versions))
         if c.finish_reason == "length" and c.token_ids[-1:] != [end]:

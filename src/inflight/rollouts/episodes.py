@@ -101,9 +101,9 @@ def _turn_params(params: SamplingParams, sampling_seed: int | None, ep: Episode)
 
 
 def _with_end_of_turn(params: SamplingParams, chat: ChatFormat) -> SamplingParams:
-    if chat.end_of_turn_id in params.stop_token_ids:
-        return params
-    return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, chat.end_of_turn_id))
+    """`params` that also stop at the end-of-turn token and the model's EOS ids."""
+    stops = tuple(dict.fromkeys((*params.stop_token_ids, *chat.stop_token_ids)))
+    return params if stops == params.stop_token_ids else dataclasses.replace(params, stop_token_ids=stops)
 
 
 def _add_reply(ep: Episode, c: Completion, chat: ChatFormat) -> str:
