@@ -131,6 +131,27 @@ def test_rows_survive_reopening_the_file(tmp_path: Path) -> None:
     second.close()
 
 
+def test_a_database_written_before_a_column_was_added_opens_and_gains_it(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path / "service.db")
+    first = Database(url)
+    model_id = _add_session_and_model(first)
+    path = f"tinker://{model_id}/weights/c1"
+    with first.write() as session:
+        session.add(
+            CheckpointRow(tinker_path=path, model_id=model_id, kind="state", name="c1", storage_dir="/x")
+        )
+    with first.engine.begin() as connection:  # the checkpoints table as the version before publishing had it
+        connection.exec_driver_sql("ALTER TABLE checkpoints DROP COLUMN published_at")
+    first.close()
+    second = Database(url)
+    with second.read() as session:
+        row = session.get(CheckpointRow, path)
+        assert row is not None and row.published_at is None and row.storage_dir == "/x"
+    with second.write() as session:
+        session.get(CheckpointRow, path).published_at = utcnow()  # type: ignore[union-attr]
+    second.close()
+
+
 def test_sqlite_url_checks(tmp_path: Path) -> None:
     nested = Database(sqlite_url(tmp_path / "new" / "dir" / "service.db"))  # parent dirs are created
     nested.close()

@@ -23,9 +23,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from inflight.api import routes_checkpoints, routes_futures, routes_sampling, routes_session, routes_training
+from inflight.api import (
+    routes_archives,
+    routes_checkpoints,
+    routes_futures,
+    routes_sampling,
+    routes_session,
+    routes_training,
+)
+from inflight.api.archives import ArchiveLinkError, ArchiveSigner
 from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_api_keys, is_loopback
-from inflight.api.checkpoints import CheckpointNotFoundError, CheckpointStore
+from inflight.api.checkpoints import CheckpointExpiredError, CheckpointNotFoundError, CheckpointStore
 from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
 from inflight.api.jobs import BaseModelLimits
@@ -42,7 +50,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_NOT_FOUND = (NotFoundError, UnknownFutureError, CheckpointNotFoundError)
+# The user errors that are not a plain 400; every other UserError is.
+_STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int], ...] = (
+    ((NotFoundError, UnknownFutureError, CheckpointNotFoundError), 404),
+    (CheckpointExpiredError, 410),
+    (ArchiveLinkError, 403),
+)
 
 
 def create_app(
@@ -62,11 +75,14 @@ def create_app(
             state.db.close()
 
     app = FastAPI(title="inflight: Tinker-compatible service", lifespan=lifespan)
-    for module in (routes_session, routes_training, routes_sampling, routes_futures, routes_checkpoints):
+    routers = (routes_session, routes_training, routes_sampling, routes_futures, routes_checkpoints)
+    for module in (*routers, routes_archives):
         app.include_router(module.router)
     # The middleware added last runs first: refuse an unauthenticated request before reading its body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
+    app.add_middleware(
+        ApiKeyMiddleware, api_keys=config.api_keys, signed_prefix=routes_archives.ARCHIVES_PREFIX
+    )
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(UserError, _user_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -105,6 +121,7 @@ def _start(
         board=board,
         wake_worker=worker.wake,
         counters=worker.stats,
+        archive_signer=ArchiveSigner(),
     )
     worker.start()
     return state, worker
@@ -128,7 +145,7 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _user_error(request: Request, exc: Exception) -> JSONResponse:
-    status = 404 if isinstance(exc, _NOT_FOUND) else 400
+    status = next((code for kinds, code in _STATUS if isinstance(exc, kinds)), 400)
     return JSONResponse({"detail": str(exc)}, status_code=status)
 
 

@@ -47,14 +47,21 @@ def check_api_keys(api_keys: Sequence[str]) -> list[str]:
 
 class ApiKeyMiddleware:
     """401 unless `X-API-Key` is one of the configured keys (compared in constant time). With no keys
-    configured every route is open (a loopback-only server; `serve` refuses a public bind then)."""
+    configured every route is open (a loopback-only server; `serve` refuses a public bind then).
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+    Paths under `signed_prefix` (checkpoint archive downloads, which the SDK fetches without the key)
+    pass to their route, which answers 403 unless the link's own signature verifies."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str], signed_prefix: str | None = None) -> None:
         self.app = app
         self.api_keys = [key.encode() for key in check_api_keys(api_keys)]
+        self.signed_prefix = signed_prefix
+
+    def _open(self, path: str) -> bool:
+        return path in OPEN_PATHS or (self.signed_prefix is not None and path.startswith(self.signed_prefix))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.api_keys or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.api_keys or self._open(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"x-api-key", b"")

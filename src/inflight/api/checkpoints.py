@@ -1,4 +1,5 @@
-"""Checkpoint storage: where `tinker://` paths live on disk, their rows, listing, deleting and expiry.
+"""Checkpoint storage: where `tinker://` paths live on disk, their rows, listing, deleting, publishing and
+expiry (an expired checkpoint's files are deleted, its row kept, so asking for it says it expired).
 
 Owns the directory layout under the state dir and the CheckpointRow lifecycle; the engine writes the
 files (into a staging dir this module hands out) and knows nothing about names or paths.
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
 
 from inflight.api.db import CheckpointRow, Database, ModelRow, utcnow
 from inflight.api.ids import CheckpointPath, parse_checkpoint_path
@@ -27,6 +29,10 @@ _FOLDERS = {"state": "weights", "sampler": "sampler_weights"}
 
 class CheckpointNotFoundError(UserError, LookupError):
     """No (unexpired) checkpoint has this path (routes answer 404)."""
+
+
+class CheckpointExpiredError(UserError, LookupError):
+    """The checkpoint was saved with a TTL that has run out (routes answer 410 Gone)."""
 
 
 class CheckpointExistsError(UserError, ValueError):
@@ -40,6 +46,7 @@ class StoredCheckpoint:
     size_bytes: int | None
     created_at: datetime
     expires_at: datetime | None
+    public: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,11 +65,26 @@ def _stored(row: CheckpointRow) -> StoredCheckpoint:
         size_bytes=row.size_bytes,
         created_at=row.created_at,
         expires_at=row.expires_at,
+        public=row.published_at is not None,
     )
 
 
 def _live(row: CheckpointRow | None, now: datetime) -> bool:
     return row is not None and (row.expires_at is None or row.expires_at > now)
+
+
+def _live_row(session: Session, path: CheckpointPath, now: datetime) -> CheckpointRow:
+    """The row of an unexpired checkpoint, or the error that says why there is none."""
+    row = session.get(CheckpointRow, str(path))
+    if row is None:
+        raise CheckpointNotFoundError(f"no checkpoint {path}: it was never saved, or was deleted")
+    if not _live(row, now):
+        assert row.expires_at is not None
+        raise CheckpointExpiredError(
+            f"checkpoint {path} expired at {row.expires_at.isoformat(timespec='seconds')}: its ttl_seconds "
+            "ran out and its files are deleted; save it again, with a longer ttl_seconds or none"
+        )
+    return row
 
 
 class CheckpointStore:
@@ -114,16 +136,48 @@ class CheckpointStore:
             row.size_bytes = size_bytes
             row.created_at = now
             row.expires_at = None if ttl_seconds is None else now + timedelta(seconds=ttl_seconds)
+            row.published_at = None  # a new save is private until published again
             session.flush()
             return _stored(row)
 
     def get(self, path: str | CheckpointPath) -> StoredCheckpoint:
         parsed = parse_checkpoint_path(path) if isinstance(path, str) else path
         with self.db.read() as session:
-            row = session.get(CheckpointRow, str(parsed))
-            if row is None or not _live(row, utcnow()):
-                raise CheckpointNotFoundError(f"no checkpoint {parsed}: it was never saved, or was deleted")
+            return _stored(_live_row(session, parsed, utcnow()))
+
+    def set_public(self, path: CheckpointPath, public: bool) -> StoredCheckpoint:
+        """Publish or unpublish; idempotent (the SDK retries a call whose answer it lost)."""
+        now = utcnow()
+        with self.db.write() as session:
+            row = _live_row(session, path, now)
+            if public and row.published_at is None:
+                row.published_at = now
+            elif not public:
+                row.published_at = None
             return _stored(row)
+
+    def set_ttl(self, path: CheckpointPath, ttl_seconds: int | None) -> StoredCheckpoint:
+        """Expire the checkpoint `ttl_seconds` from now, or never (None)."""
+        now = utcnow()
+        with self.db.write() as session:
+            row = _live_row(session, path, now)
+            row.expires_at = None if ttl_seconds is None else now + timedelta(seconds=ttl_seconds)
+            return _stored(row)
+
+    def list_all(self, *, limit: int, offset: int) -> tuple[int, list[StoredCheckpoint]]:
+        """Every unexpired checkpoint of every run, newest first, one page; and how many there are."""
+        now = utcnow()
+        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now)
+        with self.db.read() as session:
+            total = session.scalar(select(func.count()).select_from(CheckpointRow).where(live)) or 0
+            rows = session.scalars(
+                select(CheckpointRow)
+                .where(live)
+                .order_by(CheckpointRow.created_at.desc(), CheckpointRow.tinker_path)
+                .offset(offset)
+                .limit(limit)
+            ).all()
+            return total, [_stored(row) for row in rows]
 
     def source(self, path: str) -> CheckpointSource:
         checkpoint = self.get(path)
@@ -143,21 +197,26 @@ class CheckpointStore:
             return [_stored(row) for row in rows if _live(row, now)]
 
     def delete(self, path: CheckpointPath) -> None:
+        """Delete a checkpoint, expired ones included (their row goes too)."""
         with self.db.write() as session:
             row = session.get(CheckpointRow, str(path))
             if row is None:
                 raise CheckpointNotFoundError(f"no checkpoint {path} to delete")
-            storage_dir = Path(row.storage_dir)
+            storage_dir = row.storage_dir
             session.delete(row)
-        shutil.rmtree(storage_dir, ignore_errors=True)
+        if storage_dir:
+            shutil.rmtree(storage_dir, ignore_errors=True)
 
     def delete_expired(self) -> int:
+        """Delete the files of checkpoints past their TTL; their rows stay as the record that they expired."""
         now = utcnow()
         with self.db.write() as session:
-            rows = session.scalars(select(CheckpointRow).where(CheckpointRow.expires_at <= now)).all()
+            rows = session.scalars(
+                select(CheckpointRow).where(CheckpointRow.expires_at <= now, CheckpointRow.storage_dir != "")
+            ).all()
             dirs = [Path(row.storage_dir) for row in rows]
             for row in rows:
-                session.delete(row)
+                row.storage_dir = ""
         for storage_dir in dirs:
             shutil.rmtree(storage_dir, ignore_errors=True)
         return len(dirs)

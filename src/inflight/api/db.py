@@ -26,6 +26,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    inspect,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -145,10 +146,12 @@ class CheckpointRow(Base):
     model_id: Mapped[str] = mapped_column(ForeignKey("models.model_id"))
     kind: Mapped[str] = mapped_column(String(16))  # state (adapter + optimizer) | sampler (adapter only)
     name: Mapped[str] = mapped_column(String(128))
+    # "" once an expired checkpoint's files are gone: the row stays, so asking for it says it expired.
     storage_dir: Mapped[str] = mapped_column(String(1024))
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None]
+    published_at: Mapped[datetime | None]  # set while the checkpoint is public (publish / unpublish)
 
 
 class SamplingSessionRow(Base):
@@ -197,8 +200,28 @@ def _prepare_sqlite_file(url: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
+def _add_missing_columns(engine: Engine) -> None:
+    """The one kind of migration so far: a column added to an existing table (always nullable) is added
+    with ALTER TABLE, so a state directory written by an older version still opens. Nothing is dropped."""
+    inspector = inspect(engine)
+    present = {name: {c["name"] for c in inspector.get_columns(name)} for name in inspector.get_table_names()}
+    missing = [
+        (table.name, column)
+        for table in Base.metadata.sorted_tables
+        for column in table.columns
+        if table.name in present and column.name not in present[table.name]
+    ]
+    if not missing:
+        return
+    with engine.begin() as connection:
+        for table_name, column in missing:
+            assert column.nullable, f"{table_name}.{column.name}: an added column must be nullable"
+            column_type = column.type.compile(dialect=engine.dialect)
+            connection.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {column.name} {column_type}")
+
+
 class Database:
-    """An engine plus session factories; `create_all` runs on open (no migrations yet)."""
+    """An engine plus session factories; `create_all` and additive column migrations run on open."""
 
     def __init__(self, url: str, *, echo: bool = False) -> None:
         self.url = url
@@ -210,6 +233,7 @@ class Database:
         if is_sqlite:
             _configure_sqlite(self.engine)
         Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self._write_sessions = sessionmaker(self.engine, expire_on_commit=False)
         read_engine = self.engine.execution_options(**{_READ_ONLY: True})
         self._read_sessions = sessionmaker(read_engine, expire_on_commit=False)

@@ -1,8 +1,9 @@
 """Protobuf <-> engine dataclasses: forward_backward requests in, forward_backward and sample results out.
 
 Uses the schema shipped inside the pinned `tinker` SDK (`tinker.proto.tinker_public_pb2`, spec §6) so the
-wire format cannot drift from the client. Knows nothing about HTTP, the database or futures; every decode
-error is a UserError naming the field.
+wire format cannot drift from the client. A JSON forward_backward (the SDKs before 0.25) is first turned
+into the same message, so one decoder checks both and the queue stores one payload format. Knows nothing
+about HTTP, the database or futures; every decode error is a UserError naming the field.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from inflight.api.engine_types import Datum, ForwardBackwardJob, ForwardBackwardOutput, SampleOutput
 from inflight.api.ids import check_model_id
+from inflight.api.schemas import ForwardBackwardInput, TensorData
 from inflight.errors import UserError
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
@@ -51,6 +53,41 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     except (DecodeError, ValueError, RuntimeError) as err:
         raise ProtoError(f"body is not a protobuf ForwardBackwardRequest: {err}") from None
     return message
+
+
+def forward_backward_from_json(
+    model_id: str, seq_id: int, request: ForwardBackwardInput, *, forward_only: bool
+) -> bytes:
+    """A JSON request as the protobuf bytes the 0.25+ SDKs send (deterministic, so a retried submission
+    has the same payload hash)."""
+    message = pb.ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq_id, loss_fn=request.loss_fn, forward_only=forward_only
+    )
+    message.loss_fn_config.update(request.loss_fn_config or {})
+    for i, datum in enumerate(request.data):
+        out = message.data.add()
+        for chunk in datum.model_input.chunks:
+            out.model_input.add().encoded_text.tokens = np.asarray(chunk.tokens, dtype="<i4").tobytes()
+        for key, tensor in datum.loss_fn_inputs.items():
+            out.loss_fn_inputs[key].CopyFrom(_tensor_from_json(f"data[{i}].loss_fn_inputs[{key!r}]", tensor))
+    return message.SerializeToString(deterministic=True)
+
+
+def _tensor_from_json(where: str, tensor: TensorData) -> pb.Tensor:
+    if tensor.sparse_crow_indices is not None or tensor.sparse_col_indices is not None:
+        raise ProtoError(f"{where} is a sparse tensor (sparse/2-D loss inputs are not supported)")
+    values = np.asarray(tensor.data, dtype=np.float64)
+    shape = tensor.shape if tensor.shape is not None else [values.size]
+    if tensor.dtype == "int64":
+        # JSON numbers arrive as floats: exact for every integer a vocabulary holds (well below 2**53).
+        if not (np.isfinite(values).all() and (values == np.round(values)).all()):
+            raise ProtoError(f"{where} has dtype int64 but holds a value that is not an integer")
+        if values.size and np.abs(values).max() > 2**53:
+            raise ProtoError(f"{where} holds an integer beyond 2**53, outside every vocabulary")
+        return pb.Tensor(dtype=pb.DTYPE_INT64, shape=shape, dense=values.astype("<i8").tobytes())
+    with np.errstate(over="ignore"):  # a value beyond float32 becomes inf, which the decoder refuses
+        dense = values.astype("<f4").tobytes()
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape, dense=dense)
 
 
 def forward_backward_header(message: pb.ForwardBackwardRequest) -> ForwardBackwardHeader:

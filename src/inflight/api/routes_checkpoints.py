@@ -1,4 +1,5 @@
-"""Training runs and their checkpoints: list, get, delete, weights_info (spec §4 O routes, §9)."""
+"""Training runs and their checkpoints: list (per run and across runs), get, delete, publish and unpublish,
+TTL, weights_info (spec §4 O routes, §9). Archive download is in routes_archives.py."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from sqlalchemy import func, select
 
 from inflight.api.checkpoints import StoredCheckpoint
 from inflight.api.db import FutureRow, ModelRow
-from inflight.api.ids import check_model_id, checkpoint_path, parse_checkpoint_path
+from inflight.api.ids import CheckpointKind, check_model_id, checkpoint_path, parse_checkpoint_path
 from inflight.api.schemas import (
     MAX_COUNT,
     CheckpointInfo,
     CheckpointsListResponse,
     Cursor,
     LoraConfig,
+    SetCheckpointTtlRequest,
     TrainingRun,
     TrainingRunsResponse,
     WeightsInfoRequest,
@@ -25,7 +27,15 @@ from inflight.errors import UserError
 router = APIRouter(prefix="/api/v1")
 
 MODEL_OWNER = "inflight"  # one tenant namespace: every key sees every run
-_FOLDER_KINDS = {"weights": "state", "sampler_weights": "sampler"}
+_FOLDER_KINDS: dict[str, CheckpointKind] = {"weights": "state", "sampler_weights": "sampler"}
+
+
+def folder_kind(folder: str) -> CheckpointKind:
+    """The kind of checkpoint a URL's `{folder}` segment names (the SDK's checkpoint_id is folder/name)."""
+    kind = _FOLDER_KINDS.get(folder)
+    if kind is None:
+        raise UserError(f"unknown checkpoint folder {folder!r}: expected 'weights' or 'sampler_weights'")
+    return kind
 
 
 @router.get("/training_runs")
@@ -61,12 +71,44 @@ def list_checkpoints(model_id: str, state: StateDep) -> CheckpointsListResponse:
 
 @router.delete("/training_runs/{model_id}/checkpoints/{folder}/{name}")
 def delete_checkpoint(model_id: str, folder: str, name: str, state: StateDep) -> dict[str, str]:
-    kind = _FOLDER_KINDS.get(folder)
-    if kind is None:
-        raise UserError(f"unknown checkpoint folder {folder!r}: expected 'weights' or 'sampler_weights'")
-    path = checkpoint_path(model_id, "state" if kind == "state" else "sampler", name)
+    path = checkpoint_path(model_id, folder_kind(folder), name)
     state.checkpoints.delete(path)
     return {"deleted": str(path)}
+
+
+@router.post("/training_runs/{model_id}/checkpoints/{folder}/{name}/publish")
+def publish_checkpoint(model_id: str, folder: str, name: str, state: StateDep) -> CheckpointInfo:
+    """Idempotent, unlike the SDK's documented 409 for "already public": the SDK retries a 409 for minutes."""
+    path = checkpoint_path(model_id, folder_kind(folder), name)
+    return _info(state.checkpoints.set_public(path, True))
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{folder}/{name}/publish")
+def unpublish_checkpoint(model_id: str, folder: str, name: str, state: StateDep) -> CheckpointInfo:
+    path = checkpoint_path(model_id, folder_kind(folder), name)
+    return _info(state.checkpoints.set_public(path, False))
+
+
+@router.put("/training_runs/{model_id}/checkpoints/{folder}/{name}/ttl")
+def set_checkpoint_ttl(
+    model_id: str, folder: str, name: str, body: SetCheckpointTtlRequest, state: StateDep
+) -> CheckpointInfo:
+    path = checkpoint_path(model_id, folder_kind(folder), name)
+    return _info(state.checkpoints.set_ttl(path, body.ttl_seconds))
+
+
+@router.get("/checkpoints")
+def list_user_checkpoints(
+    state: StateDep,
+    limit: int = Query(default=100, ge=1, le=1000),
+    offset: int = Query(default=0, ge=0, le=MAX_COUNT),
+) -> CheckpointsListResponse:
+    """Every run's checkpoints, newest first: every key sees every run (one tenant namespace)."""
+    total, checkpoints = state.checkpoints.list_all(limit=limit, offset=offset)
+    return CheckpointsListResponse(
+        checkpoints=[_info(c) for c in checkpoints],
+        cursor=Cursor(offset=offset, limit=limit, total_count=total),
+    )
 
 
 @router.post("/weights_info")
@@ -111,5 +153,6 @@ def _info(checkpoint: StoredCheckpoint) -> CheckpointInfo:
         time=checkpoint.created_at,
         tinker_path=str(path),
         size_bytes=checkpoint.size_bytes,
+        public=checkpoint.public,
         expires_at=checkpoint.expires_at,
     )

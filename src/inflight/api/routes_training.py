@@ -1,11 +1,13 @@
-"""Training routes: create_model, get_info, forward_backward (protobuf), optim_step, save_weights,
-save_weights_for_sampler, load_weights. Thin: validate, write a future, return it (spec §4, §7).
+"""Training routes: create_model, get_info, forward_backward (protobuf or JSON), forward (JSON), optim_step,
+save_weights, save_weights_for_sampler, load_weights. Thin: validate, write a future, return it (§4, §7).
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
@@ -14,6 +16,8 @@ from inflight.api.futures import FIRST_SEQ_ID, RequestType
 from inflight.api.ids import checkpoint_path, model_id
 from inflight.api.proto import (
     PROTO_CONTENT_TYPE,
+    ProtoError,
+    forward_backward_from_json,
     forward_backward_header,
     forward_backward_job,
     parse_forward_backward,
@@ -21,6 +25,8 @@ from inflight.api.proto import (
 from inflight.api.routes_common import submit
 from inflight.api.schemas import (
     CreateModelRequest,
+    ForwardBackwardJsonRequest,
+    ForwardJsonRequest,
     GetInfoRequest,
     GetInfoResponse,
     LoadWeightsRequest,
@@ -66,19 +72,55 @@ def get_info(body: GetInfoRequest, state: StateDep) -> GetInfoResponse:
 
 @router.post("/forward_backward")
 async def forward_backward(request: Request, state: StateDep) -> UntypedAPIFuture:
-    """Also TrainingClient.forward(): `forward_only` selects it. The body is always protobuf in SDK 0.38."""
+    """Also TrainingClient.forward() (`forward_only` selects it). The body is protobuf from SDK 0.25 on,
+    JSON before (turned into the same protobuf message, so both take one path from here)."""
     content_type = request.headers.get("content-type", "")
-    if PROTO_CONTENT_TYPE not in content_type:
-        raise UserError(
-            f"forward_backward takes a protobuf body (Content-Type: {PROTO_CONTENT_TYPE}), "
-            f"got {content_type!r}"
-        )
     if request.headers.get("content-encoding", "identity") != "identity":
         raise UserError(
             "compressed bodies are not accepted (the client config sets proto_compress_fwdbwd=false)"
         )
     body = await request.body()
-    return await run_in_threadpool(_submit_pass, state, body)
+    if PROTO_CONTENT_TYPE in content_type:
+        return await run_in_threadpool(_submit_pass, state, body)
+    if "json" not in content_type:
+        raise UserError(
+            f"forward_backward takes a protobuf ({PROTO_CONTENT_TYPE}) or JSON (application/json) body, "
+            f"got Content-Type {content_type!r}"
+        )
+    return await run_in_threadpool(_submit_json_pass, state, body)
+
+
+@router.post("/forward")
+async def forward(request: Request, state: StateDep) -> UntypedAPIFuture:
+    """TrainingClient.forward() of the SDKs before 0.25: a JSON body, never protobuf."""
+    body = await request.body()
+    return await run_in_threadpool(_submit_json_pass, state, body, forward_only=True)
+
+
+def _submit_json_pass(state: ServiceState, body: bytes, *, forward_only: bool = False) -> UntypedAPIFuture:
+    wire = ForwardJsonRequest if forward_only else ForwardBackwardJsonRequest
+    try:
+        parsed = wire.model_validate_json(body)
+    except ValidationError as err:  # answered as FastAPI answers a bad body: 422 naming the field
+        errors = err.errors(include_url=False, include_input=False)
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+    inputs = parsed.forward_input if isinstance(parsed, ForwardJsonRequest) else parsed.forward_backward_input
+    state.model(parsed.model_id)
+    try:
+        proto_body = forward_backward_from_json(
+            parsed.model_id, parsed.seq_id, inputs, forward_only=forward_only
+        )
+    except ProtoError as err:  # the seq_id is valid and counted by the SDK: fail its future, leave no gap
+        failure = err
+
+        def refuse() -> None:
+            raise failure
+
+        request_type = RequestType.FORWARD if forward_only else RequestType.FORWARD_BACKWARD
+        return future_response(
+            submit(state, parsed.model_id, parsed.seq_id, request_type, body, check=refuse)
+        )
+    return _submit_pass(state, proto_body)
 
 
 def _submit_pass(state: ServiceState, body: bytes) -> UntypedAPIFuture:

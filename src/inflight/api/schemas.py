@@ -377,6 +377,47 @@ class SampleRequest(WireRequest):
     type: Literal["sample"] = "sample"
 
 
+# --- forward_backward / forward as JSON (the SDKs before 0.25; 0.25+ send protobuf, proto.py) --------------
+
+
+class TensorData(WireRequest):
+    """A loss input as JSON: a flat list of numbers with its dtype and shape (dense only; sparse CSR tensors
+    name their fields so proto.py can refuse them as the protobuf path does)."""
+
+    data: list[float] = Field(max_length=MAX_COUNT)
+    dtype: Literal["int64", "float32"]
+    shape: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
+class JsonDatum(WireRequest):
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData]
+
+
+class ForwardBackwardInput(WireRequest):
+    data: list[JsonDatum]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+
+
+class ForwardBackwardJsonRequest(WireRequest):
+    """POST /forward_backward with a JSON body (proto.forward_backward_from_json makes it protobuf)."""
+
+    forward_backward_input: ForwardBackwardInput
+    model_id: ModelId
+    seq_id: int = Field(ge=1, le=MAX_SEQ_ID)
+
+
+class ForwardJsonRequest(WireRequest):
+    """POST /forward: the JSON-era SDKs' TrainingClient.forward()."""
+
+    forward_input: ForwardBackwardInput
+    model_id: ModelId
+    seq_id: int = Field(ge=1, le=MAX_SEQ_ID)
+
+
 class TelemetryResponse(WireResponse):
     status: Literal["accepted"] = "accepted"
 
@@ -390,6 +431,15 @@ class CheckpointInfo(WireResponse):
     public: bool = False
     user_metadata: dict[str, str] | None = None
     expires_at: datetime | None = None
+
+
+class CheckpointArchiveUrlResponse(WireResponse):
+    url: str  # a signed link on this server, usable without the API key until `expires`
+    expires: datetime
+
+
+class SetCheckpointTtlRequest(WireRequest):
+    ttl_seconds: int | None = Field(ge=1, le=MAX_TTL_S)  # None: never expire
 
 
 class Cursor(WireResponse):

@@ -18,6 +18,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from inflight.api.archives import ArchiveSigner
 from inflight.api.auth import check_api_keys
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SessionRow
@@ -125,6 +126,7 @@ class ServiceState:
     board: CompletionBoard
     wake_worker: Callable[[], None]  # the routes' nudge after a submit, so the worker need not poll
     counters: Callable[[], Mapping[str, int]]  # the worker's counts, for /server_stats
+    archive_signer: ArchiveSigner  # signs and checks checkpoint download links (one secret per process)
 
     def base_model(self, name: str) -> BaseModelInfo:
         info = self.base_models.get(name)
