@@ -20,6 +20,7 @@ from inflight.envs.base import Environment, State, TextAction, TextObservation
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy
 from inflight.orchestrator.sync_loop import LoopParts, train
+from inflight.orchestrator.task import env_task, load_split
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import LossConfig, TrainerConfig
 
@@ -65,11 +66,13 @@ def main(argv: list[str] | None = None) -> dict:
             cfg.model.path = args.model
         model, tokenizer = load_policy(cfg)
         # A reply may end early with <|im_end|>; the tokens actually generated are reported beside.
+        task = env_task("bench-grpo", DistinctCharsEnv)
         parts = LoopParts(
             build_engine(cfg, model, tokenizer),
             build_trainer(model, tokenizer, cfg.trainer),
             ChatFormat(tokenizer),
-            DistinctCharsEnv,
+            task,
+            load_split(task, "train"),
         )
         logger = MetricsLogger(tmp)
         train(parts, cfg, logger, tmp)  # warm-up step

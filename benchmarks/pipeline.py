@@ -31,10 +31,12 @@ import torch
 
 from inflight.config import GRPOConfig, PipelineConfig, RunConfig, SamplingConfig
 from inflight.metrics.logger import MetricsLogger
-from inflight.orchestrator.pipeline import PipelineParts, run_pipeline
+from inflight.orchestrator.pipeline import run_pipeline
 from inflight.orchestrator.run import train
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, pad_id
 from inflight.orchestrator.sync_loop import LoopParts
+from inflight.orchestrator.target import resolve_target
+from inflight.orchestrator.task import Task, load_split
 from inflight.rollouts.api import RolloutContext
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import LossConfig, TrainerConfig
@@ -47,8 +49,8 @@ class LatencyTask:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
 
-    def problem(self, k: int) -> dict[str, Any]:
-        return {"k": k, "group_id": str(k)}
+    def load_problems(self, split: str) -> list[dict[str, Any]]:
+        return [{"k": k} for k in range(10_000)]
 
     async def generate_rollout(self, ctx: RolloutContext, problem: dict[str, Any]) -> Rollout:
         rng = random.Random(hash((self.seed, problem["k"], ctx.sample_index)))
@@ -110,17 +112,19 @@ def _pair(results: dict[str, dict[str, Any]], histories: dict[str, list]) -> flo
 
 def blackjack(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from inflight.orchestrator.warmup import format_warmup
-    from inflight.recipes import blackjack as recipe
-    from inflight.recipes.common import env_factory
 
-    cfg = recipe.preset()
+    task = resolve_target("blackjack")
+    cfg = task.config()
     cfg.progress = False
     cfg.warmup.sft_steps = args.warmup_steps
     cfg.grpo.steps = args.steps
     cfg.trainer.lr_schedule = "constant"  # as recorded in docs/benchmarks.md; the same on both sides
     model, tokenizer = load_policy(cfg)
     chat = ChatFormat(tokenizer)
-    new_env = env_factory(cfg)
+
+    def new_env() -> Any:
+        return task.make_env(cfg, "train")
+
     torch.set_num_threads(2)
     format_warmup(model, pad_id(tokenizer), chat, new_env, cfg, MetricsLogger(tmp / "warmup"))
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -137,7 +141,8 @@ def blackjack(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             build_engine(run_cfg, model, tokenizer),
             build_trainer(model, tokenizer, run_cfg.trainer, run_cfg.grpo.steps),
             chat,
-            new_env,
+            task,
+            load_split(task, "train"),
         )
         t0 = time.perf_counter()
         histories[mode] = train(parts, run_cfg, MetricsLogger(tmp / f"bj-{mode}"), tmp / f"bj-{mode}")
@@ -160,17 +165,20 @@ def latency_task(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     )
     model, tokenizer = load_policy(cfg)
     chat = ChatFormat(tokenizer)
+    latency = LatencyTask()
+    task = Task("bench-latency", latency.load_problems, latency.generate_rollout)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     results, histories = {}, {}
     for mode, staleness in (("sync", 0), ("async", args.max_staleness)):
         model.load_state_dict(start)
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.pipeline.max_staleness_steps = staleness
-        parts = PipelineParts(
+        parts = LoopParts(
             build_engine(run_cfg, model, tokenizer),
             build_trainer(model, tokenizer, run_cfg.trainer, run_cfg.grpo.steps),
             chat,
-            LatencyTask(),
+            task,
+            load_split(task, "train"),
         )
         t0 = time.perf_counter()
         histories[mode] = run_pipeline(

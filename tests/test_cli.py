@@ -22,11 +22,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_unknown_recipe_is_one_line_exit_2() -> None:
+def test_unknown_target_is_one_line_exit_2() -> None:
     proc = run_cli("run", "chess")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert "unknown recipe 'chess'" in proc.stderr and "blackjack" in proc.stderr
+    assert "unknown target 'chess'" in proc.stderr and "blackjack" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -2,7 +2,7 @@
 
 References: Tinker loss docs (reference/tinker-api.md §7.3: cross_entropy, importance_sampling, ppo,
 cispo), Schulman "Approximating KL divergence" (2020) for k1/k2/k3, Yao et al. 2025 for truncated IS.
-Advantages and reductions: tests/test_advantages.py.
+Advantages and reductions: tests/test_advantages.py; the other off-policy controls: tests/test_offpolicy.py.
 """
 
 import itertools
@@ -21,9 +21,9 @@ from inflight.losses import (
     kl_k1,
     kl_k3,
     token_logprobs,
-    truncated_is_weights,
 )
 from inflight.losses import logprobs as logprobs_module
+from inflight.losses.offpolicy import tis_token
 
 
 def random_inputs(seed: int = 0, shape: tuple[int, int] = (4, 7)) -> LossInputs:
@@ -93,7 +93,9 @@ def test_gradcheck_float64(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
-@pytest.mark.parametrize("params", [LossParams(), LossParams(tis_cap=2.0)])
+@pytest.mark.parametrize(
+    "params", [LossParams(), LossParams(offpolicy="tis_token", offpolicy_ratio_high=2.0)]
+)
 def test_masked_tokens_contribute_nothing_even_when_garbage(name: str, params: LossParams) -> None:
     clean = random_inputs(3)
     assert clean.behaviour_logprobs is not None and clean.advantages is not None
@@ -164,18 +166,18 @@ def test_clip_thresholds_and_shapes_are_validated() -> None:
 def test_truncated_is_without_proximal_is_the_truncated_policy_gradient() -> None:
     inputs = random_inputs(5)
     assert inputs.behaviour_logprobs is not None and inputs.advantages is not None
-    params = LossParams(tis_cap=1.1)
-    weights = truncated_is_weights(inputs.logprobs, inputs.behaviour_logprobs, 1.1)
-    assert not weights.requires_grad and weights.max() <= 1.1
-    with pytest.raises(ValueError, match="cap"):
-        truncated_is_weights(inputs.logprobs, inputs.behaviour_logprobs, 0.0)
+    params = LossParams(offpolicy="tis_token", offpolicy_ratio_high=1.1)
+    active = inputs.mask != 0
+    log_ratio = inputs.logprobs - inputs.behaviour_logprobs
+    weights = tis_token(log_ratio, active, None, 1.1).weights
+    assert not weights.requires_grad and weights.max() <= 1.1 + 1e-12
+    torch.testing.assert_close(weights[active], log_ratio.detach().exp().clamp(max=1.1)[active])
     expected = -weights * inputs.advantages * inputs.mask
     for name in ("importance_sampling", "ppo"):  # ppo's ratio is 1 against stopgrad(lp): clip inactive
         torch.testing.assert_close(LOSSES[name](inputs, params).per_token, expected)
         torch.testing.assert_close(grad_of(name, inputs, params), expected)
-    active = inputs.mask != 0
     tis_clip = (torch.exp(inputs.logprobs - inputs.behaviour_logprobs) > 1.1)[active].double().mean()
-    assert LOSSES["ppo"](inputs, params).metrics["tis_clip_fraction"] == pytest.approx(tis_clip.item())
+    assert LOSSES["ppo"](inputs, params).metrics["offpolicy_truncated_frac"] == pytest.approx(tis_clip.item())
 
 
 @pytest.mark.parametrize("cap", [1.5, None])
@@ -185,7 +187,8 @@ def test_proximal_logprobs_decouple_ratio_and_behaviour_correction(cap: float | 
     proximal = inputs.logprobs.detach() + 0.1
     ratio = torch.exp(inputs.logprobs.detach() - proximal)
     weights = torch.exp(proximal - inputs.behaviour_logprobs).clamp(max=cap or math.inf)
-    out = LOSSES["importance_sampling"](replace(inputs, proximal_logprobs=proximal), LossParams(tis_cap=cap))
+    params = LossParams(offpolicy="tis_token", offpolicy_ratio_high=cap) if cap else LossParams()
+    out = LOSSES["importance_sampling"](replace(inputs, proximal_logprobs=proximal), params)
     torch.testing.assert_close(out.per_token, -ratio * weights * inputs.advantages * inputs.mask)
 
 

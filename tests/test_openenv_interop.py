@@ -511,3 +511,21 @@ def test_client_errors_are_clear_and_name_the_server(spell_url: str) -> None:
     with pytest.raises(OpenEnvError, match="closed the session during step"):
         env.step(TextAction(text="stone"))
     env.close()
+
+
+def test_inflight_run_trains_on_a_remote_openenv_server(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inflight run openenv:URL` (issue 14): a remote server is a task like any other, a few steps of it."""
+    from inflight.cli import main
+
+    with serve_in_thread(create_app("blackjack", OpenEnvServerConfig(max_sessions=32))) as url:
+        argv = ["run", f"openenv:{url}", f"model.path={tiny_model_dir}", "progress=false", "grpo.steps=2"]
+        argv += ["grpo.prompts_per_step=2", "grpo.group_size=2", "pipeline.max_groups_in_flight=4"]
+        argv += ["sampling.max_tokens_per_turn=4", "eval.num_episodes=4", "--run-dir", str(tmp_path / "run")]
+        assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["recipe"], summary["steps"], summary["eval_problems"]) == ("openenv", 2, 4)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "train"] == [0, 1]
+    assert all(r["rollout_errors"] == 0 for r in rows if r["phase"] == "train")

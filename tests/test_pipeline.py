@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -20,19 +21,20 @@ import pytest
 
 from inflight.config import RunConfig
 from inflight.metrics.logger import MetricsLogger
-from inflight.orchestrator.pipeline import PipelineParts, run_pipeline
+from inflight.orchestrator.pipeline import run_pipeline
 from inflight.orchestrator.run import train
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, pad_id
-from inflight.orchestrator.sync_loop import LoopParts, prompt_seeds
+from inflight.orchestrator.sync_loop import LoopParts
+from inflight.orchestrator.target import resolve_target
+from inflight.orchestrator.task import Task, load_split
 from inflight.orchestrator.warmup import format_warmup
-from inflight.recipes import blackjack
-from inflight.recipes.common import env_factory
 from inflight.rollouts.chat import ChatFormat
-from inflight.rollouts.env_task import EnvTask
+
+BLACKJACK = resolve_target("blackjack")
 
 
 def small_config(tmp_path: Path, **pipeline: Any) -> RunConfig:
-    cfg = blackjack.preset()
+    cfg = BLACKJACK.config()
     cfg.progress = False
     cfg.run_dir = str(tmp_path)
     cfg.grpo.steps, cfg.grpo.prompts_per_step, cfg.grpo.group_size = 6, 4, 4
@@ -51,11 +53,13 @@ def warmed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
     cfg.model.path = str(tiny_model_dir)
     model, tokenizer = load_policy(cfg)
     chat = ChatFormat(tokenizer)
-    format_warmup(model, pad_id(tokenizer), chat, env_factory(cfg), cfg, MetricsLogger(tmp))
+    format_warmup(
+        model, pad_id(tokenizer), chat, lambda: BLACKJACK.make_env(cfg, "train"), cfg, MetricsLogger(tmp)
+    )
     return {k: v.clone() for k, v in model.state_dict().items()}, str(tiny_model_dir)
 
 
-def parts_for(cfg: RunConfig, warmed) -> LoopParts:
+def parts_for(cfg: RunConfig, warmed, task: Task = BLACKJACK) -> LoopParts:
     state, model_dir = warmed
     cfg.model.path = model_dir
     model, tokenizer = load_policy(cfg)
@@ -64,7 +68,8 @@ def parts_for(cfg: RunConfig, warmed) -> LoopParts:
         build_engine(cfg, model, tokenizer),
         build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps),
         ChatFormat(tokenizer),
-        env_factory(cfg),
+        task,
+        load_split(task, "train"),
     )
 
 
@@ -111,24 +116,22 @@ def test_bounded_staleness_runs_ahead_but_never_past_the_bound(tmp_path: Path, w
     assert (tmp_path / "checkpoint" / "trainer_state.json").is_file()
 
 
-class FlakyTask(EnvTask):
+def flaky(task: Task) -> Task:
     """Every third problem's first sample raises, as a buggy environment would."""
 
-    async def generate_rollout(self, ctx, problem):  # type: ignore[no-untyped-def]
+    async def generate_rollout(ctx, problem):  # type: ignore[no-untyped-def]
         if ctx.problem_index % 3 == 0 and ctx.sample_index == 0:
             raise RuntimeError("environment crashed")
-        return await super().generate_rollout(ctx, problem)
+        return await task.generate_rollout(ctx, problem)
+
+    return dataclasses.replace(task, generate_rollout=generate_rollout)
 
 
 def test_a_rollout_that_raises_is_counted_and_the_run_goes_on(tmp_path: Path, warmed) -> None:
     cfg = small_config(tmp_path, max_staleness_steps=1)
     cfg.mode = "async"
     cfg.grpo.steps = 3
-    loop_parts = parts_for(cfg, warmed)
-    task = FlakyTask(
-        loop_parts.make_env, cfg.grpo.prompts_per_step, lambda s: prompt_seeds(cfg, s), cfg.grpo.max_turns
-    )
-    parts = PipelineParts(loop_parts.engine, loop_parts.trainer, loop_parts.chat, task)
+    parts = parts_for(cfg, warmed, flaky(BLACKJACK))
     history = run_pipeline(parts, cfg, MetricsLogger(tmp_path), tmp_path)
     assert len(history) == 3
     assert history[-1]["rollout_errors"] >= 1

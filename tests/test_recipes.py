@@ -1,8 +1,9 @@
 """Every recipe end to end on the tiny model, a few steps each, through the CLI (`inflight run NAME`).
 
 Reference: the summary contract of docs/architecture.md (recipe, steps, wall_s, return_initial/final,
-return_first10/last10, run_dir) and the run directory's files. The code and tools recipes run their
-tests and tool calls in the real bubblewrap sandbox.
+return_first10/last10, run_dir), the run directory's files and the held-out evaluations logged as `test/`
+metrics (issue 14). The code and tools recipes run their tests and tool calls in the real bubblewrap
+sandbox.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from typing import Any
 import pytest
 
 from inflight.cli import main
-from inflight.envs import ENVS, BlackJackEnv, State, TextAction, TextObservation, make_env
+from inflight.envs import BlackJackEnv, State, TextAction, TextObservation, make_env
 from inflight.envs.base import Environment
 from inflight.errors import UserError
+from inflight.orchestrator.target import resolve_target
+from inflight.orchestrator.task import load_split
 from inflight.orchestrator.warmup import env_warmup_reply, random_legal_reply
-from inflight.recipes import RECIPES, get_recipe
-from inflight.recipes.code import other_solution_reply
-from inflight.recipes.tools import unrelated_tool_reply
+from inflight.recipes import RECIPES
+from inflight.recipes.code import warmup_reply as code_warmup_reply
+from inflight.recipes.tools import warmup_reply as tools_warmup_reply
 
 pytestmark = pytest.mark.slow
 SUMMARY_KEYS = {
@@ -44,11 +47,28 @@ QUICK = [
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_presets_are_valid_and_name_their_env(name: str) -> None:
-    cfg = get_recipe(name).preset()
+def test_presets_are_valid_and_every_recipe_has_a_test_split(name: str) -> None:
+    task = resolve_target(name)
+    cfg = task.config()
     assert cfg.recipe == name
-    assert cfg.env.name in ENVS, f"{name}'s preset names an unregistered env {cfg.env.name!r}"
-    make_env(cfg.env.name, **cfg.env.kwargs).close()
+    if task.env is not None:
+        task.make_env(cfg, "train").close()
+
+    def head(split: str) -> list[dict]:  # the first problems, without the split's own name
+        problems = load_split(task, split)
+        return [{k: v for k, v in problems[i].items() if k != "split"} for i in range(20)]
+
+    assert head("train") != head("test")
+
+
+@pytest.mark.parametrize(("name", "held_out"), [("math", 12), ("code", 8)])
+def test_dataset_recipes_evaluate_on_problems_they_never_train_on(name: str, held_out: int) -> None:
+    task = resolve_target(name)
+    cfg = task.config()
+    train_env, test_env = task.make_env(cfg, "train"), task.make_env(cfg, "test")
+    train_ids = {p.id for p in train_env.problems}  # type: ignore[attr-defined]
+    test_ids = {p.id for p in test_env.problems}  # type: ignore[attr-defined]
+    assert len(test_ids) == held_out and not train_ids & test_ids
 
 
 @pytest.mark.parametrize("name", NEW_RECIPES)
@@ -70,10 +90,10 @@ def test_recipe_runs_end_to_end(
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     phases = [r["phase"] for r in rows]
     assert phases.count("warmup") == 3 and phases.count("train") == 2
-    # Before RL, after each of the 2 steps (eval.every_steps=1), and after RL.
+    # Before RL, after each of the 2 steps (eval.every_steps=1), and after RL, on the test split.
     assert phases.count("eval") == 4
     for row in (r for r in rows if r["phase"] == "eval"):
-        assert {"return", "return_greedy"} <= row.keys()
+        assert {"test/return", "test/return_greedy", "test/rollout_errors"} <= row.keys()
 
 
 def test_tools_rollouts_mask_tool_output(tiny_model_dir: Path) -> None:
@@ -85,7 +105,7 @@ def test_tools_rollouts_mask_tool_output(tiny_model_dir: Path) -> None:
     chat = ChatFormat(load_tokenizer(str(tiny_model_dir)))
     rng = random.Random(0)
     rollout = run_scripted_episode(
-        make_env("tools", max_tool_calls=1), 3, lambda obs: unrelated_tool_reply(obs, rng), chat, 2
+        make_env("tools", max_tool_calls=1), 3, lambda obs: tools_warmup_reply(obs, rng), chat, 2
     )
     assert rollout.metrics["tool_calls"] == 1.0 and rollout.metrics["turns"] == 2.0
     pairs = list(zip(rollout.token_ids, rollout.loss_mask, strict=True))
@@ -121,17 +141,21 @@ def test_warmup_replies_come_from_the_env() -> None:
         env_warmup_reply(Silent())(Silent().reset(), rng)
 
 
-def test_code_warmup_reply_defines_the_asked_function_with_another_body() -> None:
+def test_code_warmup_reply_defines_the_asked_function_with_another_train_body() -> None:
     env = make_env("code")
+    held_out = {p.solution.rstrip() for p in env.problems if p.split == "test"}  # type: ignore[attr-defined]
     rng = random.Random(0)
-    for seed in range(20):
+    for seed in range(40):
         obs = env.reset(seed=seed)
-        reply = other_solution_reply(obs, rng)
+        reply = code_warmup_reply(obs, rng)
         assert reply.startswith("```python\n") and f"def {obs.entry_point}(" in reply
         solution = next(p.solution for p in env.problems if p.id == obs.problem_id)  # type: ignore[attr-defined]
-        assert reply.removeprefix("```python\n").removesuffix("\n```") != solution.rstrip()
+        body = reply.removeprefix("```python\n").removesuffix("\n```")
+        assert body != solution.rstrip()
+        # Never a held-out problem's solution, under any name.
+        assert all(body.split("(", 1)[1] != s.split("(", 1)[1] for s in held_out)
 
 
 def test_unknown_recipe_is_a_clear_error() -> None:
-    with pytest.raises(UserError, match=r"unknown recipe 'algebra'.*arithmetic"):
-        get_recipe("algebra")
+    with pytest.raises(UserError, match=r"unknown target 'algebra'.*arithmetic"):
+        resolve_target("algebra")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from pathlib import Path
 
@@ -169,6 +170,6 @@ def test_guess_number_rewards_and_format_errors(model_and_chat) -> None:
     assert stuck.metrics["found"] == 0.0
     assert stuck.reward == pytest.approx(1 - math.log2(1023) / 10)
     # The warm-up's scripted guesser stays consistent with the feedback it has seen.
-    guesser = guess_number.consistent_guesser(0)
+    rng = random.Random(0)
     transcript = "500 is too low. Higher. 520 is too high. Lower."
-    assert all(501 <= int(guesser(transcript)) <= 519 for _ in range(50))
+    assert all(501 <= int(guess_number.warmup_reply(transcript, rng)) <= 519 for _ in range(50))

@@ -21,22 +21,32 @@ BENCHMARKS = ("engine", "grpo", "pipeline", "serve", "sandbox")
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from inflight.config import apply_overrides, list_keys
-    from inflight.preflight import check_run
-    from inflight.recipes import get_recipe
 
-    if args.list_keys:
+    if args.list_keys and not args.target:
         print("\n".join(list_keys()))
         return 0
-    if not args.recipe:
-        raise UserError("missing RECIPE: try `inflight run blackjack`")
-    recipe = get_recipe(args.recipe)
+    from inflight.orchestrator.target import forms, resolve_target
+
+    if not args.target:
+        raise UserError(f"missing TARGET: {forms()}; e.g. `inflight run blackjack`")
+    task = resolve_target(args.target)
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"run_dir={json.dumps(args.run_dir)}")
-    cfg = apply_overrides(recipe.preset(), overrides)
-    check_run(cfg)
-    summary = recipe.main(cfg)
-    print(json.dumps(summary))
+    cfg = apply_overrides(task.config(), overrides)
+    if args.list_keys:  # with a target: every key and its value for this target and these overrides
+        values = cfg.model_dump()
+        for key in list_keys():
+            value: object = values
+            for part in key.split("."):
+                value = value[part]  # type: ignore[index]
+            print(f"{key}={json.dumps(value)}")
+        return 0
+    from inflight.orchestrator.run import run
+    from inflight.preflight import check_run
+
+    check_run(cfg, task.name, task.env)
+    print(json.dumps(run(cfg, task)))
     return 0
 
 
@@ -122,17 +132,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="train with a recipe",
-        description="Train with a recipe, e.g. `inflight run blackjack grpo.steps=100 trainer.lr=3e-4`. "
-        "Overrides are dotted config keys (see --list-keys). Runs the asynchronous pipeline by default "
-        "(mode=async); mode=sync runs the on-policy reference loop. Prints one JSON summary line at the end.",
+        help="train on a task: a built-in recipe or your own",
+        description="Train on a task, e.g. `inflight run blackjack grpo.steps=100 trainer.lr=3e-4` or "
+        "`inflight run examples/single_turn.py`. Overrides are dotted config keys (see --list-keys). Runs "
+        "the asynchronous pipeline by default (mode=async); mode=sync runs the on-policy reference loop. "
+        "A run directory with a checkpoint is resumed. Prints one JSON summary line at the end. Writing a "
+        "task: docs/bring-your-own-task.md.",
     )
     run.add_argument(
-        "recipe", nargs="?", help="recipe name: blackjack, guess_number, arithmetic, math, code, tools"
+        "target",
+        nargs="?",
+        metavar="TARGET",
+        help="a recipe (blackjack, guess_number, arithmetic, math, code, tools), a .py file, "
+        "package.module[:attr], or openenv:URL",
     )
     run.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    run.add_argument("--run-dir", help="where metrics, checkpoints and plots go (default runs/RECIPE-TIME)")
-    run.add_argument("--list-keys", action="store_true", help="print every config key and exit")
+    run.add_argument("--run-dir", help="where metrics, checkpoints and plots go (default runs/NAME-TIME)")
+    run.add_argument(
+        "--list-keys",
+        action="store_true",
+        help="print every config key and exit (with a TARGET: key=value, the target's preset with overrides)",
+    )
     run.set_defaults(func=_cmd_run)
 
     serve = sub.add_parser(

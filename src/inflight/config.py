@@ -1,7 +1,7 @@
 """RunConfig: one Config per component composed at the root, and `key=value` overrides from the CLI.
 
-Presets are Python functions in `inflight.recipes`; every default is declared once, in its component's
-Config. Unknown keys are errors that list the valid ones.
+Presets are Python functions (a target's `preset()`, e.g. in `inflight.recipes`); every default is declared
+once, in its component's Config. Unknown keys are errors that list the valid ones.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from inflight.errors import UserError
 from inflight.inference.builtin import BuiltinEngineConfig
+from inflight.metrics.config import MetricsConfig
 from inflight.trainer.config import TrainerConfig
 
 
@@ -54,8 +55,11 @@ class GRPOConfig(_Config):
 
 
 class EnvConfig(_Config):
-    name: str = "blackjack"
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """The environment of a task written as an Env (`orchestrator/task.py`)."""
+
+    # None = the target's own Env; a registered name or `openenv:URL` plays that environment instead.
+    name: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # the Env's constructor arguments
 
 
 class WarmupConfig(_Config):
@@ -73,10 +77,22 @@ class WarmupConfig(_Config):
 
 
 class EvalConfig(_Config):
-    num_episodes: int = 10_000  # the final (and initial) evaluation
+    """Evaluation on the task's "test" split: before training, every `every_steps` and at the end."""
+
+    num_episodes: int = Field(default=10_000, ge=0)  # first test problems evaluated before/after; 0 = no eval
     every_steps: int = 0  # 0 = no evaluation during training
     num_episodes_during: int = 2_000  # a smaller set for the periodic evaluation
-    seed: int = 1_000_000  # evaluation hands/problems are disjoint from training seeds
+    seed: int = 1_000_000  # seeds the sampled evaluation's turns (the same for every evaluation)
+
+
+class RolloutConfig(_Config):
+    """A task's `generate_rollout` at the fault-tolerance boundary (`orchestrator/guard.py`)."""
+
+    # One rollout, all its turns; a rollout still running then is cancelled and counted as failed.
+    timeout_s: float = Field(default=600.0, gt=0)
+    # The run stops once more than this fraction of its rollouts failed (raised, returned something
+    # other than a Rollout, or timed out), judged after a step's worth of rollouts.
+    max_failed_frac: float = Field(default=0.5, ge=0, le=1)
 
 
 class PipelineConfig(_Config):
@@ -97,12 +113,11 @@ class PipelineConfig(_Config):
     # weights reach them through the filesystem transport (safetensors in RUN_DIR/weights, atomic rename).
     engine_urls: list[str] = Field(default_factory=list)
     batch_timeout_s: float = 600.0  # the trainer's wait for a full batch
-    rollout_timeout_s: float = 600.0  # one rollout, all its turns
     torch_threads: int = 1  # per stage: the engine thread and the trainer thread each get a core
 
 
 class RunConfig(_Config):
-    recipe: str = "blackjack"
+    recipe: str = "blackjack"  # the run's name: the TARGET's (a recipe name, a file's stem, a module's)
     # async: the pipeline (orchestrator/pipeline.py); sync: the on-policy reference loop (sync_loop.py).
     mode: Literal["sync", "async"] = "async"
     run_dir: str | None = None  # None = runs/<recipe>-<timestamp>
@@ -118,6 +133,8 @@ class RunConfig(_Config):
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)  # TensorBoard, W&B, samples, console
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -143,29 +143,48 @@ def check_model_dir(name_or_path: str) -> None:
         )
 
 
-def check_env(name: str, kwargs: dict[str, Any]) -> None:
-    """The environment exists and its constructor takes every key of `kwargs` (their values it checks)."""
+def check_env(name: str, kwargs: dict[str, Any], factory: Any = None) -> None:
+    """The environment exists and its constructor takes every key of `kwargs` (their values it checks).
+
+    `factory`: the environment's class or factory itself (a task's own Env), named `name` in messages.
+    """
     from inflight.envs import ENVS
 
-    if name.startswith("openenv:"):
+    if factory is not None:
+        env_class: Any = factory
+    elif name.startswith("openenv:"):
         from inflight.envs.openenv_client import OpenEnvClientEnv
 
-        env_class: Any = OpenEnvClientEnv
+        env_class = OpenEnvClientEnv
     elif name in ENVS:
         env_class = ENVS[name]
     else:
         known = ", ".join(sorted(ENVS)) or "(none registered)"
         raise UserError(f"unknown environment {name!r}; known environments: {known}")
-    params = inspect.signature(env_class).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    accepted = _keyword_arguments(env_class)
+    if accepted is None:
         return
-    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise UserError(
             f"env.kwargs: environment {name!r} takes no {', '.join(unknown)}; "
             f"it takes: {', '.join(accepted) or 'nothing'}"
         )
+
+
+def _keyword_arguments(factory: Any) -> list[str] | None:
+    """The keyword arguments `factory` takes, or None when it takes any (or has no signature to read)."""
+    from inflight.envs.openenv_client import OpenEnvClientConfig, OpenEnvClientEnv
+
+    if getattr(factory, "func", None) is OpenEnvClientEnv or factory is OpenEnvClientEnv:
+        return [name for name in OpenEnvClientConfig.model_fields if name != "url"]  # its **kwargs
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # building it will tell
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def check_engine_urls(urls: list[str], timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -186,10 +205,14 @@ def check_engine_urls(urls: list[str], timeout_s: float = CONNECT_TIMEOUT_S) -> 
             )
 
 
-def check_run(cfg: RunConfig) -> None:
-    """What `inflight run` can check before its recipe builds anything (the run directory and its checkpoint
-    are checked where they are opened, also before the weights load)."""
+def check_run(cfg: RunConfig, env_name: str = "", env_factory: Any = None) -> None:
+    """What `inflight run` can check before it builds anything (the task, the run directory and its
+    checkpoint are checked where they are opened, also before the weights load). `env_factory`: the task's
+    own Env (named `env_name`), which `cfg.env.name` replaces when set."""
     if cfg.model.path:
         check_model_dir(cfg.model.path)
-    check_env(cfg.env.name, cfg.env.kwargs)
+    if cfg.env.name:
+        check_env(cfg.env.name, cfg.env.kwargs)
+    elif env_factory is not None:
+        check_env(env_name, cfg.env.kwargs, env_factory)
     check_engine_urls(cfg.pipeline.engine_urls)

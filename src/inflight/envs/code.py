@@ -60,6 +60,7 @@ class CodeProblem(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str
+    split: Literal["train", "test"] = "train"  # test: held out from training (recipes evaluate on it)
     entry_point: str = Field(pattern=r"^[A-Za-z_]\w*$")
     signature: str  # e.g. "add(a, b)"
     description: str  # completes "Write a Python function `add(a, b)` that ..."
@@ -180,17 +181,24 @@ class CodeEnv(Environment[TextAction, CodeObservation, CodeState]):
 
     A reply without code or with a syntax error earns 0 and runs nothing. `step_async` grades without
     blocking an event loop; `step` blocks its thread. The verifier pool is shared across instances.
+    `split` picks the problems: the set's train or held-out test problems (every fifth), or all of them.
     """
 
     def __init__(
         self,
         *,
+        split: Literal["train", "test", "all"] = "all",
         problems_path: str | Path | None = None,
         limits: SandboxLimits | dict[str, Any] | None = None,  # a dict comes from a run config
         pool: VerifierPool | None = None,
         seed: int | None = None,
     ) -> None:
-        self.problems = load_problems(Path(problems_path) if problems_path else PROBLEMS_PATH)
+        if split not in ("train", "test", "all"):
+            raise UserError(f"unknown code split {split!r}; choose train, test or all")
+        problems = load_problems(Path(problems_path) if problems_path else PROBLEMS_PATH)
+        self.problems = tuple(p for p in problems if split in ("all", p.split))
+        if not self.problems:
+            raise UserError(f"the code problem set has no {split!r} problems")
         self.limits = merge_limits(DEFAULT_LIMITS, limits)
         self._pool = pool
         self._seeds = random.Random(seed)

@@ -1,5 +1,6 @@
 """Pure loss math for RL on LLMs: logits -> log-probs, rewards -> advantages, per-token policy losses under
-Tinker's names, truncated IS, KL estimators and reductions. Imports nothing from the project.
+Tinker's names, the off-policy corrections (truncated/masked IS, IcePop, geometric masking), KL estimators
+and reductions. Imports nothing from the project.
 """
 
 from inflight.losses.advantages import (
@@ -8,9 +9,17 @@ from inflight.losses.advantages import (
     batch_group_advantages,
     group_advantages,
 )
-from inflight.losses.importance import off_policy_stats, truncated_is_weights
+from inflight.losses.importance import off_policy_stats, step_gap_stats
 from inflight.losses.kl import KL_ESTIMATORS, KLEstimator, kl_k1, kl_k2, kl_k3, kl_ref_to_policy_exact
 from inflight.losses.logprobs import entropy_from_logits, token_logprobs, top_k_entropy_from_logits
+from inflight.losses.offpolicy import (
+    OFFPOLICY_CONTROLS,
+    OFFPOLICY_DEFAULTS,
+    OFFPOLICY_KINDS,
+    Correction,
+    OffPolicyKind,
+    offpolicy_thresholds,
+)
 from inflight.losses.policy import (
     CLIP_DEFAULTS,
     LOSSES,
@@ -30,13 +39,18 @@ __all__ = [
     "CLIP_DEFAULTS",
     "KL_ESTIMATORS",
     "LOSSES",
+    "OFFPOLICY_CONTROLS",
+    "OFFPOLICY_DEFAULTS",
+    "OFFPOLICY_KINDS",
     "REDUCTIONS",
     "AdvantageMethod",
+    "Correction",
     "KLEstimator",
     "LossFn",
     "LossInputs",
     "LossOutputs",
     "LossParams",
+    "OffPolicyKind",
     "Reduction",
     "batch_group_advantages",
     "cispo",
@@ -49,9 +63,10 @@ __all__ = [
     "kl_k3",
     "kl_ref_to_policy_exact",
     "off_policy_stats",
+    "offpolicy_thresholds",
     "ppo",
     "reduce_loss",
+    "step_gap_stats",
     "token_logprobs",
     "top_k_entropy_from_logits",
-    "truncated_is_weights",
 ]

@@ -1,28 +1,15 @@
-"""Importance weights between trainer and sampler: truncated IS weights and the off-policy diagnostics
-(ratio statistics, effective sample size, log-prob mismatch). Knows nothing of which loss uses them.
+"""Off-policy diagnostics between trainer and sampler: ratio statistics, effective sample size, and the
+log-prob gap as a distribution. Knows nothing of which loss uses them; the corrections themselves are
+`losses/offpolicy.py`.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from torch import Tensor
-
-
-def truncated_is_weights(logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
-    """Detached truncated importance weights min(exp(lp - q), cap) [B,T].
-
-    Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
-    You Off-Policy RL Training"): even with identical weights, the sampler (vLLM, bf16 kernels) and the
-    trainer assign different probabilities, so samples are off-policy. Multiplying each token's policy
-    loss by pi_trainer / pi_sampler corrects that, and the cap bounds the variance of rare tokens the
-    sampler under-weighted. `logprobs` [B,T] are the trainer's: under the weights that generated the
-    samples when it has them (the paper's pi_old), else under the current weights.
-    """
-    if not cap > 0:
-        raise ValueError(f"truncated IS cap must be > 0, got {cap}")
-    return torch.exp(logprobs.detach() - behaviour_logprobs.detach()).clamp(max=cap)
 
 
 def masked_mean(values: Tensor, active: Tensor) -> Tensor:
@@ -82,3 +69,32 @@ def to_floats(stats: dict[str, Tensor]) -> dict[str, float]:
         return {}
     values = torch.stack([value.detach().double() for value in stats.values()]).tolist()
     return dict(zip(stats, values, strict=True))
+
+
+GAP_QUANTILES = (0.5, 0.9, 0.99)
+
+
+def step_gap_stats(log_ratio_N: Tensor) -> dict[str, Tensor]:
+    """Over all N trained tokens of a step, log_ratio_N = lp - q [N]; detached 0-dim float64 tensors.
+
+    - ess: (sum r)^2 / (N sum r^2) with r = exp(log_ratio), exact over the step (a mean of per-micro-batch
+      ESS is not the step's ESS); computed relative to the largest r, so no ratio overflows.
+    - logprob_diff_p50_abs / _p90_abs / _p99_abs: quantiles of |lp - q| (linear interpolation, numpy's
+      default), the sampler-trainer gap as a distribution; its max is `logprob_diff_max_abs`.
+    All are 0 when N is 0.
+    """
+    gap = log_ratio_N.detach().double().flatten()
+    zero = torch.zeros((), dtype=torch.float64, device=gap.device)
+    names = [f"logprob_diff_p{round(q * 100)}_abs" for q in GAP_QUANTILES]
+    if not gap.numel():
+        return {"ess": zero, **dict.fromkeys(names, zero)}
+    shifted = torch.exp(gap - gap.max())  # r / max(r), in (0, 1]
+    ess = shifted.sum().square() / (gap.numel() * shifted.square().sum())
+    # Sorting, not torch.quantile: that refuses inputs over 2^24 elements.
+    ordered = gap.abs().sort().values
+    out = {"ess": ess}
+    for name, q in zip(names, GAP_QUANTILES, strict=True):
+        position = q * (ordered.numel() - 1)
+        below, above = ordered[math.floor(position)], ordered[math.ceil(position)]
+        out[name] = below + (above - below) * (position - math.floor(position))
+    return out

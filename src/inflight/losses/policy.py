@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from inflight.losses.importance import masked_mean, off_policy_stats, to_floats, truncated_is_weights
+from inflight.losses.importance import masked_mean, off_policy_stats, to_floats
+from inflight.losses.offpolicy import OFFPOLICY_CONTROLS, OffPolicyKind, offpolicy_thresholds
 
 # Per-loss defaults of Tinker's `loss_fn_config` ratio thresholds (reference/tinker-api.md §7.3).
 CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
@@ -26,17 +27,21 @@ class LossInputs:
     behaviour_logprobs: Tensor | None = None  # [B,T] sampler log-probs q (Tinker's `logprobs` input)
     advantages: Tensor | None = None  # [B,T] advantage A of each token (its rollout's, usually)
     # [B,T] trainer log-probs under the weights that generated the samples (no grad), when the trainer
-    # still has them; makes truncated IS decoupled (see `_anchor_logprobs`). Not a Tinker input.
+    # still has them; makes the off-policy correction decoupled (see `_anchor_logprobs`). Not a Tinker input.
     proximal_logprobs: Tensor | None = None
 
 
 @dataclass(frozen=True)
 class LossParams:
-    """Tinker's `loss_fn_config` plus truncated IS; None means the loss's own default."""
+    """Tinker's `loss_fn_config` plus the off-policy correction; None means the default."""
 
     clip_low_threshold: float | None = None  # ratio threshold (not epsilon): ppo 0.8, cispo 0.0
     clip_high_threshold: float | None = None  # ratio threshold: ppo 1.2, cispo 4.0
-    tis_cap: float | None = None  # truncated IS cap C (RL losses only); see `_anchor_logprobs`
+    # Sampler-vs-trainer correction of the RL losses (`losses/offpolicy.py`); see `_anchor_logprobs`.
+    # "none" keeps Tinker's losses exactly. Thresholds: None = the control's default.
+    offpolicy: OffPolicyKind = "none"
+    offpolicy_ratio_low: float | None = None
+    offpolicy_ratio_high: float | None = None
 
     def clip_thresholds(self, loss_name: str) -> tuple[float, float]:
         default_low, default_high = CLIP_DEFAULTS[loss_name]
@@ -52,8 +57,8 @@ class LossParams:
 @dataclass(frozen=True)
 class LossOutputs:
     per_token: Tensor  # [B,T] loss per token, already multiplied by the mask; reduce it to a scalar
-    # Detached python floats over the unmasked tokens: `off_policy_stats`, plus clip fractions (ppo,
-    # cispo) and tis_clip_fraction (when tis_cap is set).
+    # Detached python floats over the unmasked tokens: `off_policy_stats`, clip fractions (ppo, cispo), and
+    # the off-policy correction's offpolicy_masked_frac / offpolicy_truncated_frac (RL losses).
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -69,12 +74,12 @@ def _check_shapes(inputs: LossInputs) -> None:
 
 @dataclass(frozen=True)
 class _PolicyTerms:
-    """What every RL loss needs. Masked positions are neutralised (ratio 1, advantage 0, TIS weight 1) so
+    """What every RL loss needs. Masked positions are neutralised (ratio 1, advantage 0, weight 1) so
     that whatever they hold (padding, inf, NaN) cannot leak into values or gradients through 0 * inf."""
 
     ratio: Tensor  # [B,T] policy ratio r = exp(lp - anchor); carries grad
     advantages: Tensor  # [B,T]
-    tis_weights: Tensor | None  # [B,T] detached, or None when the loss is Tinker's exactly
+    correction: Tensor | None  # [B,T] detached off-policy weights, or None when the loss is Tinker's exactly
     active: Tensor  # [B,T] bool, mask != 0
     stats: dict[str, Tensor]  # 0-dim detached tensors, turned into metrics once at the end
 
@@ -86,15 +91,16 @@ def _require(value: Tensor | None, name: str, loss_name: str) -> Tensor:
 
 
 def _anchor_logprobs(inputs: LossInputs) -> Tensor:
-    """The log-probs the policy ratio is taken against when truncated IS is on (Tinker's: q).
+    """The log-probs the policy ratio is taken against when an off-policy correction is on (Tinker's: q).
 
-    Tinker's losses use r = exp(lp - q). Truncated IS (Yao et al. 2025) splits the correction instead:
-    loss(r = exp(lp - anchor)) * min(exp(anchor - q), C), where anchor is the trainer's log-probs under
-    the sampling weights (`proximal_logprobs`; with them this is decoupled PPO, Hilton et al. 2021,
+    Tinker's losses use r = exp(lp - q). The corrections (truncated IS, Yao et al. 2025, and the rest of
+    `losses/offpolicy.py`) split it instead: loss(r = exp(lp - anchor)) * w(anchor - q), where w is the
+    control's detached weight (min(exp(anchor - q), C) for token TIS) and anchor is the trainer's log-probs
+    under the sampling weights (`proximal_logprobs`; with them this is decoupled PPO, Hilton et al. 2021,
     arXiv:2110.00641). If the trainer no longer has those weights, anchor = stopgrad(lp): r is 1 in value
-    with gradient grad(lp), so importance_sampling becomes the truncated IS policy gradient
-    -min(exp(lp - q), C) A grad(lp), and ppo's clip is inactive (one optimizer step per batch).
-    Multiplying Tinker's r = exp(lp - q) by the TIS weight instead would correct the mismatch twice.
+    with gradient grad(lp), so importance_sampling becomes the corrected policy gradient
+    -w(lp - q) A grad(lp), and ppo's clip is inactive (one optimizer step per batch).
+    Multiplying Tinker's r = exp(lp - q) by the weight instead would correct the mismatch twice.
     """
     if inputs.proximal_logprobs is not None:
         return inputs.proximal_logprobs.detach()
@@ -110,25 +116,33 @@ def _policy_terms(inputs: LossInputs, params: LossParams, loss_name: str) -> _Po
     # Inactive positions: q := anchor := lp (ratio 1), A := 0.
     behaviour = torch.where(active, behaviour.detach(), lp.detach())
     stats = off_policy_stats(lp, behaviour, active)
-    anchor, tis_weights = behaviour, None
-    if inputs.proximal_logprobs is not None or params.tis_cap is not None:
+    anchor, weights = behaviour, None
+    zero = torch.zeros((), dtype=torch.float64, device=lp.device)
+    masked_frac, truncated_frac = zero, zero
+    # With proximal log-probs alone ("none"), the behaviour correction is the plain, untruncated ratio.
+    if inputs.proximal_logprobs is not None or params.offpolicy != "none":
         anchor = torch.where(active, _anchor_logprobs(inputs), lp.detach())
-        cap = params.tis_cap if params.tis_cap is not None else torch.inf  # proximal without a cap
-        tis_weights = truncated_is_weights(anchor, behaviour, cap)
-        if params.tis_cap is not None:
-            stats["tis_clip_fraction"] = masked_mean(torch.exp(anchor - behaviour) > cap, active)
+        low, high = offpolicy_thresholds(
+            params.offpolicy, params.offpolicy_ratio_low, params.offpolicy_ratio_high
+        )
+        correction = OFFPOLICY_CONTROLS[params.offpolicy](anchor - behaviour, active, low, high)
+        weights = correction.weights
+        masked_frac = masked_mean(correction.masked, active)
+        truncated_frac = masked_mean(correction.truncated, active)
+    stats["offpolicy_masked_frac"] = masked_frac
+    stats["offpolicy_truncated_frac"] = truncated_frac
     return _PolicyTerms(
         ratio=torch.exp(lp - anchor),
         advantages=torch.where(active, advantages, 0.0),
-        tis_weights=tis_weights,
+        correction=weights,
         active=active,
         stats=stats,
     )
 
 
 def _finish(per_token: Tensor, inputs: LossInputs, terms: _PolicyTerms) -> LossOutputs:
-    if terms.tis_weights is not None:
-        per_token = per_token * terms.tis_weights
+    if terms.correction is not None:
+        per_token = per_token * terms.correction
     return LossOutputs(per_token=per_token * inputs.mask, metrics=to_floats(terms.stats))
 
 

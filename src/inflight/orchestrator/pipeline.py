@@ -3,7 +3,7 @@
 Dataflow (one process; the engine and the trainer each own a thread, rollouts share an asyncio loop):
 
     problems ──► admission ──► rollout workers (asyncio tasks, up to max_groups_in_flight groups)
-                 buffer.admit()    │  task.generate_rollout(ctx, problem) x group_size
+                 buffer.admit()    │  task.generate_rollout(ctx, problem) x group_size (guard.py)
                                    │        │ tokens  ▲
                                    │        ▼         │
                                    │   engine loop thread: continuous batching; new weights are
@@ -50,21 +50,14 @@ from inflight.config import RunConfig
 from inflight.inference.engine_loop import EngineLoop
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
+from inflight.orchestrator.drivers import Driver, SubmitDriver
+from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.remote_engine import RemoteEngines
-from inflight.orchestrator.sync_loop import rollout_metrics, sampling_params, to_train_samples
+from inflight.orchestrator.sync_loop import LoopParts, rollout_metrics, sampling_params, to_train_samples
+from inflight.orchestrator.task import train_problem
 from inflight.rollouts.api import RolloutContext
-from inflight.rollouts.chat import ChatFormat
-from inflight.trainer import Trainer
 from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
-from inflight.types import Completion, Rollout, RolloutGroup, SampleRequest, WeightUpdate
-
-
-@dataclass
-class PipelineParts:
-    engine: Any  # a BuiltinEngine; the pipeline drives it through an EngineLoop
-    trainer: Trainer
-    chat: ChatFormat
-    task: Any  # `problem(k) -> dict` and `async generate_rollout(ctx, problem) -> Rollout`
+from inflight.types import Completion, RolloutGroup, SampleRequest, WeightUpdate
 
 
 @dataclass
@@ -75,29 +68,10 @@ class _State:
     reissue: list[int] = field(default_factory=list)  # problems to redo first (after a resume)
     in_flight: set[int] = field(default_factory=set)  # admitted, result not yet read from the stream
     read_offset: int = -1  # the last stream record put into the buffer
-    rollout_errors: int = 0
     groups_dropped_errors: int = 0
     resume_regenerated: int = 0  # recovered groups sampled by weights lost in a crash: problem re-issued
     stopping: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class LoopEngine:
-    """`generate(requests)` through the engine loop: the recipe's evaluation while the pipeline runs."""
-
-    def __init__(self, loop: EngineLoop) -> None:
-        self._loop = loop
-
-    @property
-    def version(self) -> int:
-        return self._loop.version
-
-    def generate(self, requests: list[SampleRequest]) -> list[Completion]:
-        futures = [self._loop.submit(r) for r in requests]
-        return [f.result(timeout=600) for f in futures]
-
-    def update_weights(self, update: WeightUpdate) -> None:
-        self._loop.update_weights(update)
 
 
 def _record(problem_index: int, group: RolloutGroup) -> bytes:
@@ -110,13 +84,14 @@ def _parse(record: bytes) -> tuple[int, RolloutGroup]:
 
 
 class _Pipeline:
-    def __init__(self, parts: PipelineParts, cfg: RunConfig, logger: MetricsLogger, run_dir: Path) -> None:
+    def __init__(self, parts: LoopParts, cfg: RunConfig, logger: MetricsLogger, run_dir: Path) -> None:
         self.parts, self.cfg, self.logger, self.run_dir = parts, cfg, logger, run_dir
         p = cfg.pipeline
         per_step = cfg.grpo.prompts_per_step
         budget = p.active_sampling_max_filtered_batches * per_step or None  # None: filter forever
         self.buffer = RolloutBuffer(per_step, p.max_staleness_steps, p.active_sampling, None, budget)
         self.state = _State()
+        self.guard = RolloutGuard(cfg.rollout, per_step * cfg.grpo.group_size)
         self.start_step = self._resume()
         self.stream = open_stream(p.stream_url or f"file://{(run_dir / 'streams' / 'results').resolve()}")
         self._recover()  # results that reached the stream before a crash, past the checkpoint's offset
@@ -196,27 +171,26 @@ class _Pipeline:
 
     # -- rollout workers ----------------------------------------------------------------------------
     async def generate(self, request: SampleRequest) -> Completion:
-        return await self.loop.generate(request, self.cfg.pipeline.rollout_timeout_s)
+        return await self.loop.generate(request, self.cfg.rollout.timeout_s)
 
     async def rollout_group(self, k: int) -> None:
         cfg, parts = self.cfg, self.parts
-        problem = parts.task.problem(k)
-        group_id = str(problem.get("group_id", k))
+        problem = train_problem(parts.problems, k)
+        group_id = str(k)
         params = sampling_params(cfg)
-
-        async def one(j: int) -> Rollout:
-            ctx = RolloutContext(self.generate, parts.chat, params, group_id, k, j, cfg.seed, cfg)
-            return await parts.task.generate_rollout(ctx, problem)
-
-        results = await asyncio.gather(*(one(j) for j in range(cfg.grpo.group_size)), return_exceptions=True)
-        for r in results:
-            if isinstance(r, asyncio.CancelledError):
-                raise r  # shutting down: the problem stays in flight and is re-issued on resume
-        rollouts = [r for r in results if isinstance(r, Rollout)]
+        contexts = [
+            RolloutContext(self.generate, parts.chat, params, group_id, k, j, cfg.seed, cfg)
+            for j in range(cfg.grpo.group_size)
+        ]
+        # A failed rollout comes back as None (counted by the guard); a cancellation (shutting down)
+        # propagates: the problem stays in flight and is re-issued on resume.
+        results = await asyncio.gather(
+            *(self.guard.run(parts.task.generate_rollout, ctx, dict(problem)) for ctx in contexts)
+        )
+        rollouts = [r for r in results if r is not None]
         for r in rollouts:
             r.group_id = group_id
         with self.state.lock:
-            self.state.rollout_errors += len(results) - len(rollouts)
             if len(rollouts) < 2:  # no baseline left to compare with: the group is dropped, counted
                 self.state.groups_dropped_errors += 1
                 self.state.in_flight.discard(k)
@@ -229,6 +203,7 @@ class _Pipeline:
         state, tasks = self.state, set()
         try:
             while not stop.is_set():
+                self.guard.check()  # too many failed rollouts: the run stops, naming the most common error
                 with state.lock:
                     room = len(state.in_flight) < self.cfg.pipeline.max_groups_in_flight
                     admitted = room and self.buffer.admit(self.loop.version, self.parts.trainer.version)
@@ -271,7 +246,8 @@ class _Pipeline:
     def train(self, evaluate: Callable[[], dict[str, float]] | None) -> None:
         cfg, trainer, loop = self.cfg, self.parts.trainer, self.loop
         title = f"{cfg.recipe} (async GRPO)"
-        with StepProgress(cfg.grpo.steps, title, enabled=cfg.progress) as progress:
+        every = cfg.metrics.print_every_steps
+        with StepProgress(cfg.grpo.steps, title, enabled=cfg.progress, every_steps=every) as progress:
             for step in range(self.start_step, cfg.grpo.steps):
                 t0 = time.perf_counter()
                 batch = self.next_batch()
@@ -283,7 +259,7 @@ class _Pipeline:
                 metrics["reward_mean_batch"] = statistics.fmean(r.reward for r in trained)
                 with self.state.lock:
                     metrics.update(self.buffer.step_metrics(batch, trainer.version))
-                    metrics["rollout_errors"] = float(self.state.rollout_errors)
+                    metrics.update(self.guard.metrics())
                     metrics["groups_dropped_errors"] = float(self.state.groups_dropped_errors)
                     metrics["resume_regenerated"] = float(self.state.resume_regenerated)
                 informative = [g for g in batch if g.is_informative]
@@ -307,6 +283,7 @@ class _Pipeline:
                 )
                 metrics.update(loop.metrics())  # pause per update, transfer s, stale-KV tokens (or replicas')
                 self.logger.log(step, metrics)
+                self.logger.log_rollout_samples(step, trained, self.parts.chat.tokenizer.decode)  # every N
                 self.history.append(metrics)
                 progress.update(step + 1, metrics["reward_mean"])
                 if cfg.checkpoint_every_steps and (step + 1) % cfg.checkpoint_every_steps == 0:
@@ -315,7 +292,7 @@ class _Pipeline:
                     self.logger.log(step + 1, evaluate(), phase="eval")
 
     # -- wiring ---------------------------------------------------------------------------------------
-    def run(self, evaluate: Callable[[Any], dict[str, float]] | None) -> list[dict[str, float]]:
+    def run(self, evaluate: Callable[[Driver], dict[str, float]] | None) -> list[dict[str, float]]:
         # One core each for the engine thread and the trainer thread (torch's pool is process-wide).
         torch.set_num_threads(self.cfg.pipeline.torch_threads)
         loop, trainer = self.loop, self.parts.trainer
@@ -324,11 +301,10 @@ class _Pipeline:
             loop.start()
             loop.update_weights(WeightUpdate(trainer.version, trainer.weights()))
         errors: list[BaseException] = []
-        eval_engine = LoopEngine(loop)
 
         def train_thread() -> None:
             try:
-                self.train((lambda: evaluate(eval_engine)) if evaluate else None)
+                self.train((lambda: evaluate(SubmitDriver(loop.submit))) if evaluate else None)
             except _Stopped:
                 pass
             except BaseException as e:
@@ -376,7 +352,8 @@ class _Stopped(Exception):
 
 
 def _problem_order(group_id: str) -> tuple[Any, ...]:
-    """Sort key of group ids like "12-345" (step-seed) or "7": numbers compared as numbers."""
+    """Sort key of group ids: the problem index k ("7"), or "12-345" in streams of older runs; numbers
+    compared as numbers."""
     try:
         return (0, *(int(x) for x in group_id.split("-")))
     except ValueError:
@@ -384,15 +361,15 @@ def _problem_order(group_id: str) -> tuple[Any, ...]:
 
 
 def run_pipeline(
-    parts: PipelineParts,
+    parts: LoopParts,
     cfg: RunConfig,
     logger: MetricsLogger,
     run_dir: str | Path,
-    evaluate: Callable[[Any], dict[str, float]] | None = None,
+    evaluate: Callable[[Driver], dict[str, float]] | None = None,
 ) -> list[dict[str, float]]:
     """Train up to cfg.grpo.steps steps (continuing a checkpoint in run_dir); returns this run's metrics.
 
-    `evaluate(engine)` (the recipe's held-out evaluation) gets an engine it may call while the
-    pipeline runs.
+    `evaluate(driver)` (the held-out evaluation) gets a driver into the engine loop (or the replicas),
+    from the trainer's thread while the pipeline runs.
     """
     return _Pipeline(parts, cfg, logger, Path(run_dir)).run(evaluate)

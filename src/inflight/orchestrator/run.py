@@ -1,15 +1,41 @@
-"""One entry point for recipes: the sync loop or the asynchronous pipeline, by `cfg.mode`."""
+"""`run(cfg, task)`: one training run of any Task, in either mode, started fresh or resumed.
+
+The phases, in order: check the task (its splits, its Env, its warm-up) before anything is written; the run
+directory; the policy; the warm-up (if cfg.warmup.sft_steps); evaluation on the test split; cfg.grpo.steps
+of GRPO (the sync loop or the pipeline, by cfg.mode; both continue a checkpoint found in the run
+directory); evaluation again; checkpoint; summary. Owns the run directory's files (config.json,
+metrics.jsonl, checkpoint/, summary.json, curves.png) and the summary keys every task shares; a run that
+fails before its first step leaves no run directory behind. Knows nothing of any one task.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import json
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from inflight.config import RunConfig
-from inflight.metrics.logger import MetricsLogger
-from inflight.orchestrator.sync_loop import LoopParts, prompt_seeds
+from inflight.envs.base import Environment
+from inflight.errors import UserError, describe
+from inflight.metrics.logger import METRICS_FILE, MetricsLogger
+from inflight.metrics.plot import plot_run
+from inflight.orchestrator.drivers import Driver, InlineDriver
+from inflight.orchestrator.evaluate import evaluate
+from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, make_run_dir, pad_id
+from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.sync_loop import train as train_sync
+from inflight.orchestrator.task import Task, load_split
+from inflight.orchestrator.task_warmup import task_warmup
+from inflight.orchestrator.warmup import format_warmup
+from inflight.rollouts.chat import ChatFormat
+from inflight.trainer.checkpoint import checkpoint_step, save_checkpoint
+from inflight.types import WeightUpdate
 
 
 def train(
@@ -17,32 +43,159 @@ def train(
     cfg: RunConfig,
     logger: MetricsLogger,
     run_dir: str | Path,
-    evaluate: Callable[[], dict[str, float]] | None = None,
+    evaluate: Callable[[Driver], dict[str, float]] | None = None,
 ) -> list[dict[str, float]]:
-    """Train an Env-based recipe; `evaluate()` uses `parts.engine` (valid in both modes)."""
+    """cfg.grpo.steps of GRPO by the sync loop or the pipeline (cfg.mode); returns this call's metrics."""
     if cfg.mode == "sync":
         return train_sync(parts, cfg, logger, str(run_dir), evaluate)
-    from inflight.orchestrator.pipeline import PipelineParts, run_pipeline
-    from inflight.rollouts.env_task import EnvTask
+    from inflight.orchestrator.pipeline import run_pipeline
 
-    task = EnvTask(
-        parts.make_env, cfg.grpo.prompts_per_step, lambda s: prompt_seeds(cfg, s), cfg.grpo.max_turns
-    )
-    engine = parts.engine
+    return run_pipeline(parts, cfg, logger, run_dir, evaluate)
 
-    def evaluate_during(loop_engine: Any) -> dict[str, float]:
-        # While the pipeline runs, the engine belongs to its loop thread: evaluate through the loop.
-        assert evaluate is not None
-        parts.engine = loop_engine
-        try:
-            return evaluate()
-        finally:
-            parts.engine = engine
 
-    return run_pipeline(
-        PipelineParts(engine, parts.trainer, parts.chat, task),
-        cfg,
-        logger,
-        run_dir,
-        evaluate_during if evaluate else None,
-    )
+def run(cfg: RunConfig, task: Task) -> dict[str, Any]:
+    """Train `task` as `cfg` says; returns the summary (also in RUN_DIR/summary.json)."""
+    t0 = time.perf_counter()
+    train_problems = load_split(task, "train")
+    test_problems = load_split(task, "test") if cfg.eval.num_episodes else []
+    check_task(cfg, task)
+    with _run_directory(cfg) as run_dir:
+        # Before any weights load: a damaged checkpoint fails now, in one line.
+        first_step = checkpoint_step(run_dir / "checkpoint")
+        # Closed however the run ends: a W&B run is finished, TensorBoard flushed.
+        with contextlib.closing(MetricsLogger(run_dir, cfg.metrics, cfg.model_dump())) as logger:
+            model, tokenizer = load_policy(cfg)
+            chat = ChatFormat.for_model(tokenizer, model)
+            # Also when resuming: the warm-up is deterministic, and the KL reference is the warmed-up model.
+            if cfg.warmup.sft_steps and task.env is not None:
+
+                def new_env() -> Environment:
+                    return task.make_env(cfg, "train")
+
+                format_warmup(model, pad_id(tokenizer), chat, new_env, cfg, logger, task.warmup_reply)
+            elif cfg.warmup.sft_steps:
+                task_warmup(model, pad_id(tokenizer), task, train_problems, chat, cfg, logger)
+            trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
+            parts = LoopParts(build_engine(cfg, model, tokenizer), trainer, chat, task, train_problems)
+
+            def test(driver: Driver, num_problems: int) -> dict[str, float]:
+                return evaluate(task, test_problems, cfg, chat, driver, num_problems)
+
+            def during(driver: Driver) -> dict[str, float]:
+                return _test_metrics(test(driver, cfg.eval.num_episodes_during))
+
+            initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
+            if initial:
+                logger.log(0, _test_metrics(initial), phase="eval")
+            history = train(parts, cfg, logger, run_dir, during if test_problems else None)
+            last_step = first_step + len(history)
+            # The trained weights, whichever engine (or inference replica) generated with them.
+            parts.engine.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+            final = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
+            if final:
+                logger.log(last_step, _test_metrics(final), phase="eval")
+            if cfg.mode == "sync":  # the pipeline writes its own (with stream offsets and buffered groups)
+                save_checkpoint(trainer, run_dir / "checkpoint", extra={"step": last_step})
+
+            evaluated = min(cfg.eval.num_episodes, len(test_problems))
+            summary = build_summary(cfg, task, run_dir, t0, first_step, history, evaluated, initial, final)
+            logger.log(last_step, summary, phase="summary")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_run(run_dir)
+    return summary
+
+
+def check_task(cfg: RunConfig, task: Task) -> None:
+    """What can be wrong with a task under this config, found before the run directory exists."""
+    if task.env is None:
+        if cfg.env.name:
+            raise UserError(
+                f"env.name={cfg.env.name!r}: {task.name} is written with generate_rollout and plays no Env; "
+                "unset env.name"
+            )
+        if cfg.warmup.sft_steps and task.warmup_reply is None:
+            raise UserError(
+                f"warmup.sft_steps={cfg.warmup.sft_steps} needs a `warmup_reply(transcript, rng) -> str` in "
+                f"{task.name} (the scripted replies of its warm-up); or set warmup.sft_steps=0"
+            )
+        return
+    # One environment, built and closed: a factory's bad arguments or return value show here, in one line.
+    try:
+        env = task.make_env(cfg, "train")
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(
+            f"{task.name}: building its environment with env.kwargs={cfg.env.kwargs} failed: {describe(e)}"
+        ) from None
+    if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
+        raise UserError(
+            f"{task.name}: its Env factory returned a {type(env).__name__}, not an environment with "
+            "reset() and step() (an inflight.envs.Environment)"
+        )
+    env.close()
+
+
+@contextmanager
+def _run_directory(cfg: RunConfig) -> Iterator[Path]:
+    """The run directory, created here; removed again if this run made it and fails before its first step
+    (a resumed run's directory is never removed)."""
+    path = Path(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
+    fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
+    run_dir = make_run_dir(cfg, path)
+    try:
+        yield run_dir
+    except BaseException:
+        if fresh and not _trained_a_step(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _trained_a_step(run_dir: Path) -> bool:
+    try:
+        return '"phase": "train"' in (run_dir / METRICS_FILE).read_text()  # the logger's json.dumps
+    except OSError:
+        return False
+
+
+def _test_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    return {f"test/{key}": value for key, value in metrics.items()}
+
+
+def build_summary(
+    cfg: RunConfig,
+    task: Task,
+    run_dir: Path,
+    t0: float,
+    first_step: int,
+    history: list[dict[str, float]],
+    eval_problems: int,
+    initial: dict[str, float],
+    final: dict[str, float],
+) -> dict[str, Any]:
+    """The keys every task reports, in this order: recipe, mode, steps (the whole run's, those before a
+    resume included), wall_s, eval_problems, return_initial/final (greedy decoding on the test problems),
+    return_initial/final_sampled (the sampling policy), the task's `summarize()` keys, return_first10/last10
+    (mean training reward of the first and last tenth of the steps this process ran), run_dir."""
+    rewards = [h["reward_mean"] for h in history]
+    tenth = max(1, len(rewards) // 10)
+    extra = task.summarize(cfg, initial, final) if task.summarize and initial and final else {}
+    return {
+        "recipe": cfg.recipe,
+        "mode": cfg.mode,
+        "steps": first_step + len(history),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "eval_problems": eval_problems,
+        "return_initial": _rounded(initial.get("return_greedy")),
+        "return_final": _rounded(final.get("return_greedy")),
+        "return_initial_sampled": _rounded(initial.get("return")),
+        "return_final_sampled": _rounded(final.get("return")),
+        **extra,
+        "return_first10": round(statistics.fmean(rewards[:tenth]), 4) if rewards else None,
+        "return_last10": round(statistics.fmean(rewards[-tenth:]), 4) if rewards else None,
+        "run_dir": str(run_dir),
+    }
+
+
+def _rounded(value: float | None) -> float | None:
+    return round(value, 4) if value is not None else None

@@ -39,10 +39,12 @@ def resolve_model(cfg: RunConfig) -> str:
     return str(target)
 
 
-def make_run_dir(cfg: RunConfig) -> Path:
-    path = ensure_dir(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}", "--run-dir")
-    (path / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
-    return path
+def make_run_dir(cfg: RunConfig, path: str | Path | None = None) -> Path:
+    """`path` (default: cfg.run_dir, else runs/RECIPE-TIME) as a writable directory holding config.json."""
+    path = path or cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = ensure_dir(path, "--run-dir")
+    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    return run_dir
 
 
 def load_policy(cfg: RunConfig) -> tuple[torch.nn.Module, object]:

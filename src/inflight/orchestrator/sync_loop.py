@@ -1,8 +1,10 @@
 """The on-policy GRPO reference loop, readable top to bottom.
 
 Each step:
-  1. sample   prompts_per_step prompts (environment seeds) x group_size episodes with the engine,
-              whose weights are exactly the trainer's (version == trainer.version: lag 0);
+  1. sample   the step's prompts_per_step problems of the task's train split x group_size rollouts
+              (`task.generate_rollout`, all at once: `drivers.InlineDriver`), with weights exactly the
+              trainer's (version == trainer.version: lag 0); a failed rollout is counted and left out
+              (`guard.py`), a group left with fewer than 2 has no baseline and is dropped (counted);
   2. rewards  -> advantages, per group (`losses.group_advantages`); groups whose rewards are all
               equal carry no signal and are left out of the batch (counted, never silent);
   3. loss     policy loss over the policy's tokens (`trainer.train_step`: micro-batches, AdamW);
@@ -16,22 +18,26 @@ episodes as single samples with environment tokens masked out.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from inflight.config import RunConfig
-from inflight.envs.base import Environment
-from inflight.inference.engine import Engine
 from inflight.losses import group_advantages
 from inflight.losses.advantages import AdvantageMethod
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
+from inflight.orchestrator.drivers import Driver, InlineDriver
+from inflight.orchestrator.guard import RolloutGuard
+from inflight.orchestrator.task import Problems, Task, train_problem
+from inflight.rollouts.api import GenerateFn, RolloutContext
 from inflight.rollouts.chat import ChatFormat
-from inflight.rollouts.episodes import run_episodes
 from inflight.trainer import Trainer
 from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
 from inflight.types import Rollout, RolloutGroup, SamplingParams, TrainSample, WeightUpdate
@@ -39,18 +45,13 @@ from inflight.types import Rollout, RolloutGroup, SamplingParams, TrainSample, W
 
 @dataclass
 class LoopParts:
-    """What the loop drives; built by `orchestrator.setup` and shared with the recipe's evaluation."""
+    """What both loops (this one and `pipeline.py`) drive; built by `orchestrator.run`."""
 
-    engine: Engine
+    engine: Any  # a BuiltinEngine: this loop steps it between the rollouts, the pipeline in its own thread
     trainer: Trainer
     chat: ChatFormat
-    make_env: Callable[[], Environment]
-
-
-def prompt_seeds(cfg: RunConfig, step: int) -> list[int]:
-    """Training prompts of a step: deterministic in (run seed, step), disjoint from evaluation seeds."""
-    base = (cfg.seed * 100_003 + step) * cfg.grpo.prompts_per_step
-    return [base + i for i in range(cfg.grpo.prompts_per_step)]
+    task: Task
+    problems: Problems  # the task's "train" split; problem k of the run is `train_problem(problems, k)`
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
@@ -63,26 +64,29 @@ def sampling_params(cfg: RunConfig) -> SamplingParams:
     )
 
 
-def sample_groups(parts: LoopParts, cfg: RunConfig, step: int) -> list[RolloutGroup]:
-    g = cfg.grpo.group_size
-    seeds = [s for s in prompt_seeds(cfg, step) for _ in range(g)]  # each prompt g times: one group
-    group_ids = [f"{step}-{s}" for s in seeds]
+async def sample_groups(
+    parts: LoopParts, cfg: RunConfig, step: int, generate: GenerateFn, *, guard: RolloutGuard
+) -> list[RolloutGroup]:
+    """The step's groups, problem k = step * prompts_per_step + i; a group is group_size rollouts of it."""
+    per_step, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
     params = sampling_params(cfg)
-    envs = [parts.make_env() for _ in seeds]
-    # Seeded per (prompt, sample, turn): the tokens do not depend on the engine's batch, so the
-    # asynchronous pipeline at max_staleness_steps=0 draws exactly these samples.
-    rollouts = run_episodes(
-        parts.engine,
-        envs,
-        seeds,
-        group_ids,
-        parts.chat,
-        params,
-        cfg.grpo.max_turns,
-        sampling_seed=cfg.seed,
-        sample_indices=[i % g for i in range(len(seeds))],
-    )
-    return [RolloutGroup(group_ids[i], rollouts[i : i + g]) for i in range(0, len(rollouts), g)]
+
+    async def group(k: int) -> RolloutGroup:
+        problem = train_problem(parts.problems, k)
+        # Seeded per (problem, sample, turn): the tokens do not depend on the engine's batch, so the
+        # asynchronous pipeline at max_staleness_steps=0 draws exactly these samples.
+        contexts = [
+            RolloutContext(generate, parts.chat, params, str(k), k, j, cfg.seed, cfg) for j in range(g)
+        ]
+        results = await asyncio.gather(
+            *(guard.run(parts.task.generate_rollout, ctx, dict(problem)) for ctx in contexts)
+        )
+        rollouts = [r for r in results if r is not None]
+        for r in rollouts:
+            r.group_id = str(k)
+        return RolloutGroup(str(k), rollouts)
+
+    return list(await asyncio.gather(*(group(k) for k in range(step * per_step, (step + 1) * per_step))))
 
 
 def to_train_samples(groups: list[RolloutGroup], advantage: AdvantageMethod) -> list[TrainSample]:
@@ -113,32 +117,40 @@ def train(
     cfg: RunConfig,
     logger: MetricsLogger,
     run_dir: str,
-    evaluate: Callable[[], dict[str, float]] | None = None,
+    evaluate: Callable[[Driver], dict[str, float]] | None = None,
 ) -> list[dict[str, float]]:
     """Run on-policy steps up to cfg.grpo.steps, continuing the newest complete checkpoint in run_dir if
     there is one; returns the metrics of the steps this call ran.
 
-    `evaluate` (the recipe's held-out evaluation) runs every cfg.eval.every_steps, logged as phase=eval.
+    `evaluate(driver)` (the held-out evaluation) runs every cfg.eval.every_steps, logged as phase=eval.
     """
     engine, trainer = parts.engine, parts.trainer
-    # Prompts are a function of (seed, step), so starting at the checkpoint's step repeats no prompt.
+    driver = InlineDriver(engine)
+    # Problem k is a function of k alone, so starting at the checkpoint's step repeats no problem.
     first_step = int(resume_checkpoint(trainer, f"{run_dir}/checkpoint").get("step", 0))
-    engine.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+    guard = RolloutGuard(cfg.rollout, cfg.grpo.prompts_per_step * cfg.grpo.group_size)
+    groups_dropped = 0
     history: list[dict[str, float]] = []
-    with StepProgress(cfg.grpo.steps, f"{cfg.recipe} (sync GRPO)", enabled=cfg.progress) as progress:
+    title, every = f"{cfg.recipe} (sync GRPO)", cfg.metrics.print_every_steps
+    engine.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+    with StepProgress(cfg.grpo.steps, title, enabled=cfg.progress, every_steps=every) as progress:
         for step in range(first_step, cfg.grpo.steps):
             t0 = time.perf_counter()
-            groups = sample_groups(parts, cfg, step)  # 1. sample
+            drawn = driver.run(functools.partial(sample_groups, parts, cfg, step, guard=guard))  # 1. sample
             t_sample = time.perf_counter() - t0
+            guard.check()  # too many failed rollouts: stop, naming the most common error
+            groups = [grp for grp in drawn if len(grp.rollouts) >= 2]  # else no baseline: dropped
+            groups_dropped += len(drawn) - len(groups)
 
             informative = [grp for grp in groups if grp.is_informative]  # 2. rewards -> advantages
             samples = to_train_samples(informative, cfg.grpo.advantage)
 
             rollouts = [r for grp in groups for r in grp.rollouts]
-            metrics = rollout_metrics(rollouts)
+            metrics = rollout_metrics(rollouts) if rollouts else {"reward_mean": float("nan")}
             versions = [r.min_version for r in rollouts if r.num_generated]
             metrics["lag_steps_max"] = float(trainer.version - min(versions)) if versions else 0.0
-            metrics["groups_uninformative_frac"] = 1 - len(informative) / len(groups)
+            metrics["groups_uninformative_frac"] = 1 - len(informative) / max(len(groups), 1)
+            metrics.update(guard.metrics(), groups_dropped_errors=float(groups_dropped))
             if samples:  # 3. loss + optimizer step
                 metrics.update(trainer.train_step(samples))
                 engine.update_weights(WeightUpdate(trainer.version, trainer.weights()))  # 4. publish
@@ -150,13 +162,14 @@ def train(
                 sample_s=t_sample,
                 step_s=step_s,
                 completions_per_s=len(rollouts) / t_sample,
-                gen_tokens_per_s=metrics["generated_tokens"] / t_sample,
+                gen_tokens_per_s=metrics.get("generated_tokens", 0.0) / t_sample,
             )
             logger.log(step, metrics)  # 5. log
+            logger.log_rollout_samples(step, rollouts, parts.chat.tokenizer.decode)  # every N steps
             history.append(metrics)
             progress.update(step + 1, metrics["reward_mean"])
             if evaluate and cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
-                logger.log(step + 1, evaluate(), phase="eval")
+                logger.log(step + 1, evaluate(driver), phase="eval")
             if cfg.checkpoint_every_steps and (step + 1) % cfg.checkpoint_every_steps == 0:
                 save_checkpoint(trainer, f"{run_dir}/checkpoint", extra={"step": step + 1})
     return history

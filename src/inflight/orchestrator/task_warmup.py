@@ -1,5 +1,6 @@
-"""Supervised warm-up for tasks written with the rollout API: the task's own `generate_rollout`,
-played by a scripted policy (legal replies from Python, never the task's solution).
+"""Supervised warm-up for tasks written with the rollout API: the task's own `generate_rollout` on its
+train problems, played by a scripted policy whose replies come from the task's `warmup_reply(transcript,
+rng)` (legal replies from Python, never the task's solution).
 
 Like the Env warm-up (`warmup.py`), it teaches a tiny model from scratch the reply format and, with
 `warmup.tokens=all`, to read the conversation; RL has to do the rest.
@@ -11,44 +12,58 @@ import asyncio
 import random
 import statistics
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from inflight.config import RunConfig
+from inflight.errors import UserError
 from inflight.metrics.logger import MetricsLogger
+from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.sync_loop import sampling_params
-from inflight.rollouts.api import GenerateFn, RolloutContext
+from inflight.orchestrator.task import Problems, Task, WarmupReply, train_problem
+from inflight.rollouts.api import RolloutContext, scripted_policy
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import LossConfig, Trainer, TrainerConfig
 from inflight.types import Rollout, TrainSample
 
 
 async def _scripted_rollouts(
-    task: Any, chat: ChatFormat, make_policy: Callable[[int], GenerateFn], problems: list[int], cfg: RunConfig
+    task: Task,
+    problems: Problems,
+    chat: ChatFormat,
+    reply: WarmupReply,
+    indices: list[int],
+    cfg: RunConfig,
+    guard: RolloutGuard,
 ) -> list[Rollout]:
     params = sampling_params(cfg)
 
-    async def one(k: int) -> Rollout:
-        ctx = RolloutContext(make_policy(k), chat, params, str(k), k, 0, None, cfg)
-        return await task.generate_rollout(ctx, task.problem(k))
+    def policy(k: int) -> Callable[[str], str]:
+        rng = random.Random(k)  # each rollout its own replies, whatever runs beside it
+        return lambda transcript: reply(transcript, rng)
 
-    return list(await asyncio.gather(*(one(k) for k in problems)))
+    async def one(k: int) -> Rollout | None:
+        ctx = RolloutContext(scripted_policy(chat, policy(k)), chat, params, str(k), k, 0, None, cfg)
+        return await guard.run(task.generate_rollout, ctx, train_problem(problems, k))
+
+    results = await asyncio.gather(*(one(k) for k in indices))
+    return [r for r in results if r is not None]
 
 
 def task_warmup(
     model: torch.nn.Module,
     pad_id: int,
-    task: Any,
+    task: Task,
+    problems: Problems,
     chat: ChatFormat,
-    make_policy: Callable[[int], GenerateFn],
     cfg: RunConfig,
     logger: MetricsLogger,
 ) -> dict[str, float]:
-    """cfg.warmup.sft_steps cross-entropy steps on scripted rollouts; logged with phase=warmup.
-
-    `make_policy(seed)` returns the scripted policy of one rollout (e.g. `rollouts.api.scripted_policy`).
-    """
+    """cfg.warmup.sft_steps cross-entropy steps on scripted rollouts of train problems drawn at random;
+    logged with phase=warmup. Needs the task's `warmup_reply` (`run.check_task` says so first)."""
+    reply = task.warmup_reply
+    if reply is None:
+        raise UserError(f"{task.name} has no warmup_reply(transcript, rng): set warmup.sft_steps=0")
     w = cfg.warmup
     trainer = Trainer(
         model,
@@ -60,10 +75,14 @@ def task_warmup(
         pad_id=pad_id,
     )
     rng = random.Random(cfg.seed + 7919)
+    guard = RolloutGuard(cfg.rollout, w.sft_batch_size, what="warm-up rollouts")
     metrics: dict[str, float] = {}
     for step in range(w.sft_steps):
-        problems = [rng.getrandbits(30) for _ in range(w.sft_batch_size)]
-        rollouts = asyncio.run(_scripted_rollouts(task, chat, make_policy, problems, cfg))
+        indices = [rng.getrandbits(30) for _ in range(w.sft_batch_size)]
+        rollouts = asyncio.run(_scripted_rollouts(task, problems, chat, reply, indices, cfg, guard))
+        guard.check()
+        if not rollouts:
+            continue
         samples = [TrainSample.from_rollout(r, advantage=0.0) for r in rollouts]
         if w.tokens == "all":
             for sample in samples:

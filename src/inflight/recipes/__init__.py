@@ -1,14 +1,10 @@
-"""Recipes: presets (Python functions returning a RunConfig) plus the recipe's own evaluation.
-
-Each recipe module exposes `preset() -> RunConfig` and `main(cfg: RunConfig) -> dict`.
+"""Built-in tasks, each written exactly as a user writes one (docs/bring-your-own-task.md): an Env
+(`make_env`) or PipelineRL's pair (`load_problems`, `generate_rollout`), plus `preset()` and, where the task
+has them, `warmup_reply` and `summarize`. `inflight run NAME` resolves them like any other target
+(`orchestrator/target.py`); this table only maps names to modules.
 """
 
 from __future__ import annotations
-
-import importlib
-from types import ModuleType
-
-from inflight.errors import UserError
 
 RECIPES: dict[str, str] = {
     "blackjack": "inflight.recipes.blackjack",
@@ -18,10 +14,3 @@ RECIPES: dict[str, str] = {
     "tools": "inflight.recipes.tools",
     "guess_number": "inflight.recipes.guess_number",
 }
-
-
-def get_recipe(name: str) -> ModuleType:
-    if name not in RECIPES:
-        known = ", ".join(sorted(RECIPES))
-        raise UserError(f"unknown recipe {name!r}; known recipes: {known} (e.g. `inflight run blackjack`)")
-    return importlib.import_module(RECIPES[name])

@@ -1,37 +1,31 @@
-"""Arithmetic on the tiny model: format warm-up on random answers, on-policy GRPO, exact-match evaluation.
+"""Arithmetic on the tiny model: format warm-up on random answers, GRPO, exact-match evaluation.
 
-The warm-up's replies are answers to *other* random problems (right format, no information about the
-question), so the policy before RL is right by chance only, and the accuracy the summary reports after
-RL over the accuracy before it is RL's doing. Evaluation: 1,000 fixed problems, greedy and sampled.
+A task written as an Env (`ArithmeticEnv`: one problem per episode). The warm-up's replies are answers to
+*other* random problems (right format, no information about the question: the env's `warmup_reply`), so
+the policy before RL is right by chance only, and the accuracy the summary reports after RL over the
+accuracy before it is RL's doing. Evaluation: 1,000 fixed test problems, greedy and sampled.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from inflight.config import EnvConfig, EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
-from inflight.envs.base import episode_seeds
+from inflight.envs.arithmetic import ArithmeticEnv
 from inflight.inference.builtin import BuiltinEngineConfig
-from inflight.orchestrator.sync_loop import LoopParts
-from inflight.recipes.common import (
-    build_summary,
-    finish,
-    greedy_and_sampled,
-    rate_summary,
-    run_recipe,
-    tiny_model_loss,
-)
+from inflight.recipes.common import rate_summary, tiny_model_loss
 from inflight.trainer import TrainerConfig
 
-EVAL_KEYS = ("correct", "format_error")  # env metrics averaged in every evaluation
+make_env = ArithmeticEnv  # env.kwargs (level, partial_credit, ...) go to its constructor
 
 
 def preset() -> RunConfig:
     """Single-digit addition; defaults measured on a 2-core CPU (docs/benchmarks.md)."""
     return RunConfig(
-        recipe="arithmetic",
         # Partial credit 0.5 / (1 + |error|) for a wrong answer: among wrong answers the nearer ones
         # rank higher, so a group is informative even when no sample is right (without it, 56% of the
         # groups at the first step had all-equal rewards and carried no signal).
-        env=EnvConfig(name="arithmetic", kwargs={"level": 1, "partial_credit": 0.5}),
+        env=EnvConfig(kwargs={"level": 1, "partial_credit": 0.5}),
         trainer=TrainerConfig(
             lr=1e-3,
             micro_batch_size=64,
@@ -47,13 +41,9 @@ def preset() -> RunConfig:
     )
 
 
-def evaluate(parts: LoopParts, cfg: RunConfig, num_problems: int) -> dict[str, float]:
-    """Return and exact-match accuracy on the first `num_problems` fixed evaluation problems."""
-    return greedy_and_sampled(parts, cfg, episode_seeds(num_problems, cfg.eval.seed), EVAL_KEYS)
-
-
-def main(cfg: RunConfig) -> dict:
-    run = run_recipe(cfg, evaluate)
-    extra = rate_summary(run, "correct", "accuracy")
-    extra["format_error_final_sampled"] = round(run.final["format_error"], 4)
-    return finish(run, build_summary(run, {"eval_problems": cfg.eval.num_episodes}, extra))
+def summarize(cfg: RunConfig, initial: dict[str, float], final: dict[str, float]) -> dict[str, Any]:
+    """Exact-match accuracy before and after RL, and the sampled policy's format errors after it."""
+    return {
+        **rate_summary(initial, final, "correct", "accuracy"),
+        "format_error_final_sampled": round(final.get("format_error", 0.0), 4),
+    }

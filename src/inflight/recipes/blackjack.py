@@ -1,26 +1,28 @@
-"""BlackJack on the tiny model: format warm-up, on-policy GRPO, and evaluation on 10,000 fixed hands.
+"""BlackJack on the tiny model: format warm-up, GRPO, and evaluation on 10,000 fixed hands.
 
-The summary compares the greedy policy before RL and after it with basic strategy on the same hands.
+A task written as an Env (`BlackJackEnv`: one hand per episode; the warm-up's replies are random legal
+actions). The summary compares the policy before and after RL with basic strategy on the same hands.
 """
 
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 from inflight.config import EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
-from inflight.envs.base import episode_seeds
-from inflight.envs.blackjack import basic_strategy_policy, play_hands
+from inflight.envs.blackjack import BlackJackEnv, basic_strategy_policy, play_hands
 from inflight.inference.builtin import BuiltinEngineConfig
-from inflight.orchestrator.sync_loop import LoopParts
-from inflight.recipes.common import build_summary, finish, play_policy, run_recipe, tiny_model_loss
+from inflight.orchestrator.task import env_test_seeds
+from inflight.recipes.common import tiny_model_loss
 from inflight.trainer import TrainerConfig
+
+make_env = BlackJackEnv  # env.kwargs (format_penalty) go to its constructor
 
 
 def preset() -> RunConfig:
     """Defaults measured on a 2-core CPU (docs/benchmarks.md), in the default mode (the asynchronous
     pipeline with active sampling: every batch is 16 groups whose rewards differ)."""
     return RunConfig(
-        recipe="blackjack",
         trainer=TrainerConfig(
             lr=3e-4,
             # Decays to 3e-5 by the last step: the greedy policy's choice in close states flipped from
@@ -43,25 +45,7 @@ def preset() -> RunConfig:
     )
 
 
-def evaluate(parts: LoopParts, cfg: RunConfig, num_hands: int, greedy: bool) -> float:
-    """Mean return on the first `num_hands` fixed evaluation hands (see `common.play_policy`)."""
-    rollouts = play_policy(parts, cfg, episode_seeds(num_hands, cfg.eval.seed), greedy)
-    return statistics.fmean(r.reward for r in rollouts)
-
-
-def evaluate_both(parts: LoopParts, cfg: RunConfig, num_hands: int) -> dict[str, float]:
-    return {
-        "return_greedy": evaluate(parts, cfg, num_hands, greedy=True),
-        "return": evaluate(parts, cfg, num_hands, greedy=False),
-    }
-
-
-def main(cfg: RunConfig) -> dict:
-    run = run_recipe(cfg, evaluate_both)
-    basic = statistics.fmean(
-        play_hands(basic_strategy_policy, episode_seeds(cfg.eval.num_episodes, cfg.eval.seed))
-    )
-    summary = build_summary(
-        run, {"eval_hands": cfg.eval.num_episodes}, {"return_basic_strategy": round(basic, 4)}
-    )
-    return finish(run, summary)
+def summarize(cfg: RunConfig, initial: dict[str, float], final: dict[str, float]) -> dict[str, Any]:
+    """Basic strategy's mean return on the evaluated hands: the reference the policy is measured against."""
+    hands = env_test_seeds(cfg.eval.num_episodes)
+    return {"return_basic_strategy": round(statistics.fmean(play_hands(basic_strategy_policy, hands)), 4)}

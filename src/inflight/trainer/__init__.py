@@ -1,6 +1,6 @@
 """Policy parameters, optimizer, loss assembly and checkpoints."""
 
-from inflight.trainer.config import LossConfig, TrainerConfig
+from inflight.trainer.config import LossConfig, OffPolicyConfig, TrainerConfig
 from inflight.trainer.trainer import MicroBatch, Trainer
 
-__all__ = ["LossConfig", "MicroBatch", "Trainer", "TrainerConfig"]
+__all__ = ["LossConfig", "MicroBatch", "OffPolicyConfig", "Trainer", "TrainerConfig"]

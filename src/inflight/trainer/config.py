@@ -6,8 +6,30 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from inflight.losses.offpolicy import OffPolicyKind, offpolicy_thresholds
+
 LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 Reduction = Literal["token_sum", "token_mean", "seq_mean", "constant"]
+
+
+class OffPolicyConfig(BaseModel):
+    """The sampler-vs-trainer correction of the RL losses: one control of the menu in `losses/offpolicy.py`.
+
+    One `kind` rather than orthogonal level x mode knobs: each control is one published estimator with its
+    own thresholds, and some combinations (a truncated geometric mean) are not one. Thresholds left None
+    take the control's default (`OFFPOLICY_DEFAULTS`); setting one the control does not use is an error.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: OffPolicyKind = "none"  # none: Tinker's losses exactly, ratio against the sampler's log-probs
+    ratio_low: float | None = None  # icepop, geo_mask: the lowest ratio kept
+    ratio_high: float | None = None  # tis_*, mis_*: the cap C; icepop, geo_mask: the highest ratio kept
+
+    @model_validator(mode="after")
+    def _check(self) -> OffPolicyConfig:
+        offpolicy_thresholds(self.kind, self.ratio_low, self.ratio_high)  # ValueError names the threshold
+        return self
 
 
 class LossConfig(BaseModel):
@@ -20,7 +42,7 @@ class LossConfig(BaseModel):
     constant_normalizer: float | None = None  # only for reduction=constant (Dr.GRPO)
     clip_low_threshold: float | None = None  # ratio thresholds; None = the loss's own default
     clip_high_threshold: float | None = None
-    tis_cap: float | None = None  # truncated importance sampling cap (None = off)
+    offpolicy: OffPolicyConfig = OffPolicyConfig()  # truncated/masked IS, IcePop, geometric masking
     entropy_coef: float = 0.0  # bonus: loss -= entropy_coef * entropy
     entropy_top_k: int = 0  # the bonus's entropy over the top-k tokens only (0 = whole vocabulary)
     kl_coef: float = 0.0  # penalty against the frozen reference model (0 = no reference model)

@@ -21,9 +21,11 @@ from inflight.losses import (
     entropy_from_logits,
     kl_ref_to_policy_exact,
     reduce_loss,
+    step_gap_stats,
     token_logprobs,
     top_k_entropy_from_logits,
 )
+from inflight.losses.importance import to_floats
 from inflight.trainer.config import TrainerConfig, lr_at
 from inflight.types import TrainSample
 
@@ -144,10 +146,13 @@ class Trainer:
         params = LossParams(
             clip_low_threshold=lcfg.clip_low_threshold,
             clip_high_threshold=lcfg.clip_high_threshold,
-            tis_cap=lcfg.tis_cap,
+            offpolicy=lcfg.offpolicy.kind,
+            offpolicy_ratio_low=lcfg.offpolicy.ratio_low,
+            offpolicy_ratio_high=lcfg.offpolicy.ratio_high,
         )
         sums: dict[str, float] = defaultdict(float)  # token-weighted sums of per-micro-batch metrics
         maxima: dict[str, float] = {}
+        log_ratios: list[torch.Tensor] = []  # [N] lp - q of each micro-batch's trained tokens
 
         def reduce(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return reduce_loss(
@@ -217,6 +222,7 @@ class Trainer:
                 gap = float((lp.detach() - mb.behaviour_logprobs)[current].abs().max())
                 maxima["logprob_parity_max_abs"] = max(maxima.get("logprob_parity_max_abs", gap), gap)
             sums["logprob_parity_token_frac"] += float(current.sum())
+            log_ratios.append((lp.detach() - mb.behaviour_logprobs)[where])
 
             sums["loss"] += float(loss.detach())  # reductions already use the step's global denominators
             sums["entropy"] += float((entropy.detach() * mb.mask).sum())
@@ -237,6 +243,10 @@ class Trainer:
         for key, value in sums.items():
             metrics[key] = value / max(num_tokens, 1.0)
         metrics.update(maxima)
+        # ESS and the gap's quantiles over the whole step (neither averages over micro-batches); only
+        # the RL losses read behaviour log-probs.
+        if log_ratios and lcfg.name != "cross_entropy":
+            metrics.update(to_floats(step_gap_stats(torch.cat(log_ratios))))
         return metrics
 
     def optim_step(self) -> dict[str, float]:

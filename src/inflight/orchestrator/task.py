@@ -1,0 +1,217 @@
+"""What `inflight run` trains on: a Task, in PipelineRL's shape whatever shape its TARGET was written in.
+
+A Task is `load_problems(split) -> problems` and `async generate_rollout(ctx, problem) -> Rollout`, plus the
+target's optional `preset()`, `warmup_reply(seen, rng)` and `summarize(cfg, initial, final)`. A target
+written as an Env (a class or factory in OpenEnv's shape, or `openenv:URL`) becomes a Task here
+(`env_task`): its problems are episode seeds and each rollout plays one episode. Owns the Task type, the
+Env adapter and which problem a run trains on at index k; knows nothing of where a target came from
+(`target.py`) nor of engines and trainers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+from inflight.config import RunConfig
+from inflight.envs.base import EnvFactory, Environment
+from inflight.errors import UserError, describe
+from inflight.rollouts.api import RolloutContext
+from inflight.rollouts.episodes import play_episode
+from inflight.types import Rollout
+
+Problem = dict[str, Any]
+Problems = Sequence[Problem]
+GenerateRollout = Callable[[RolloutContext, Problem], Awaitable[Rollout]]
+# (what the policy sees: an Env's observation, or a rollout function's transcript so far; rng) -> reply.
+WarmupReply = Callable[[Any, random.Random], str]
+# (cfg, initial, final) -> extra summary keys; initial/final are evaluations before and after RL.
+Summarize = Callable[[RunConfig, dict[str, float], dict[str, float]], dict[str, Any]]
+
+ENV_TEST_SEED = 1_000_000  # an Env task's test split: the episode seeds `episode_seeds(n, ENV_TEST_SEED)`
+ENV_SPLIT_SIZE = 2**62  # an Env task's splits never run out: len() of its problem sequences
+
+
+@dataclass(frozen=True)
+class Task:
+    """A resolved TARGET (see `target.py`). `env` is set for tasks written as an Env (`env_task`)."""
+
+    name: str  # the run's name (`cfg.recipe`, runs/NAME-TIME): a recipe name, a file's stem, a module's
+    load_problems: Callable[[str], Problems]
+    generate_rollout: GenerateRollout
+    preset: Callable[[], RunConfig] = RunConfig
+    warmup_reply: WarmupReply | None = None
+    summarize: Summarize | None = None
+    env: EnvFactory | None = None
+
+    def config(self) -> RunConfig:
+        """The target's preset, named after the task."""
+        cfg = self.preset()
+        if not isinstance(cfg, RunConfig):
+            raise UserError(f"{self.name}: preset() must return a RunConfig, not {type(cfg).__name__}")
+        return cfg.model_copy(update={"recipe": self.name})
+
+    def make_env(self, cfg: RunConfig, split: str) -> Environment:
+        """An Env task's environment for `split` (see `make_env`)."""
+        return make_env(self.env, cfg, split)
+
+
+def make_env(factory: EnvFactory | None, cfg: RunConfig, split: str) -> Environment:
+    """`factory(**cfg.env.kwargs)`, or the environment `cfg.env.name` names in its place (a registered name
+    or `openenv:URL`). A constructor that takes `split` gets the split ("train" or "test")."""
+    from inflight.envs import ENVS
+    from inflight.envs import make_env as make_named_env
+
+    kwargs = dict(cfg.env.kwargs)
+    if cfg.env.name:
+        if _takes_split(ENVS.get(cfg.env.name)):
+            kwargs["split"] = split
+        return make_named_env(cfg.env.name, **kwargs)
+    if factory is None:
+        raise UserError("this task is written with generate_rollout and has no Env: unset env.name")
+    if _takes_split(factory):
+        kwargs["split"] = split
+    return factory(**kwargs)
+
+
+def _takes_split(factory: EnvFactory | None) -> bool:
+    if factory is None:
+        return False
+    try:
+        return "split" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): pass nothing
+        return False
+
+
+def env_task(
+    name: str,
+    factory: EnvFactory,
+    preset: Callable[[], RunConfig] | None = None,
+    warmup_reply: WarmupReply | None = None,
+    summarize: Summarize | None = None,
+) -> Task:
+    """A task written as an Env: problem = {"seed", "split"}; a rollout plays one episode to its end.
+
+    Train seeds are 0, 1, 2, ... in order; test seeds are `episode_seeds(n, ENV_TEST_SEED)` (random 63-bit
+    numbers: disjoint from the train seeds, the same for every run). An environment whose constructor takes
+    `split` also gets "train" or "test", so a dataset-backed one can hold problems out.
+    """
+    rollouts = _EnvRollouts(factory)
+    return Task(
+        name,
+        rollouts.load_problems,
+        rollouts.generate_rollout,
+        preset or RunConfig,
+        warmup_reply,
+        summarize,
+        env=factory,
+    )
+
+
+class _EnvRollouts:
+    def __init__(self, factory: EnvFactory) -> None:
+        self.factory = factory
+
+    def load_problems(self, split: str) -> Problems:
+        if split == "train":
+            return EpisodeSeeds(split, lambda i: i)
+        if split == "test":
+            return EpisodeSeeds(split, _RandomSeeds(ENV_TEST_SEED))
+        raise ValueError(f"an Env task has splits 'train' and 'test', not {split!r}")
+
+    async def generate_rollout(self, ctx: RolloutContext, problem: Problem) -> Rollout:
+        cfg = ctx.config
+        env = make_env(self.factory, cfg, problem.get("split", "train"))
+        try:
+            # Turns are seeded by (sampling seed, episode seed, sample, turn), as in `run_episodes`.
+            return await play_episode(
+                ctx.generate_fn,
+                env,
+                int(problem["seed"]),
+                ctx.group_id,
+                ctx.chat_format,
+                ctx.params,
+                cfg.grpo.max_turns,
+                sampling_seed=ctx.sampling_seed,
+                sample_index=ctx.sample_index,
+            )
+        finally:
+            env.close()
+
+
+class EpisodeSeeds(Sequence[Problem]):
+    """An Env task's problems `{"seed": seed_at(i), "split": split}`, computed when read; never runs out."""
+
+    def __init__(self, split: str, seed_at: Callable[[int], int]) -> None:
+        self.split, self._seed_at = split, seed_at
+
+    def __len__(self) -> int:
+        return ENV_SPLIT_SIZE
+
+    @overload
+    def __getitem__(self, i: int) -> Problem: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Problem]: ...
+    def __getitem__(self, i: int | slice) -> Problem | list[Problem]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not 0 <= i < ENV_SPLIT_SIZE:
+            raise IndexError(i)
+        return {"seed": self._seed_at(i), "split": self.split}
+
+
+class _RandomSeeds:
+    """Seed i of `episode_seeds(n, seed)` for any i < n, drawn as far as asked (the list is a prefix)."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+        self._seeds: list[int] = []
+        self._lock = threading.Lock()  # the pipeline evaluates in the trainer's thread
+
+    def __call__(self, i: int) -> int:
+        with self._lock:
+            while len(self._seeds) <= i:
+                self._seeds.append(self._rng.getrandbits(63))
+            return self._seeds[i]
+
+
+def load_split(task: Task, split: str) -> Problems:
+    """`task.load_problems(split)`, checked: a non-empty sequence of dicts, or a UserError saying so."""
+    try:
+        problems = task.load_problems(split)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{task.name}: load_problems({split!r}) raised {describe(e)}") from None
+    expected = f"{task.name}: load_problems({split!r}) must return a list of dicts"
+    if isinstance(problems, str | bytes | dict) or not isinstance(problems, Sequence):
+        raise UserError(f"{expected}, not a {type(problems).__name__}")
+    if not len(problems):
+        hint = "; set eval.num_episodes=0 to train without evaluation" if split == "test" else ""
+        raise UserError(f"{task.name}: load_problems({split!r}) returned no problems{hint}")
+    # A list is checked whole; a lazy sequence (an Env task's seeds) by its first problem.
+    checked = problems if isinstance(problems, list | tuple) else [problems[0]]
+    bad = next((p for p in checked if not isinstance(p, dict)), None)
+    if bad is not None:
+        raise UserError(f"{expected}; one is a {type(bad).__name__}: {bad!r:.80}")
+    return problems
+
+
+def train_problem(problems: Problems, k: int) -> Problem:
+    """Problem k of a run (k = step * prompts_per_step + i): the train split in its order, cycling.
+
+    A pure function of k, so a resumed run and both loops draw the same problems. A copy: a rollout may
+    change its problem without changing another's.
+    """
+    return dict(problems[k % len(problems)])
+
+
+def env_test_seeds(num_episodes: int) -> list[int]:
+    """The episode seeds of an Env task's first `num_episodes` test problems (what evaluation plays)."""
+    from inflight.envs.base import episode_seeds
+
+    return episode_seeds(num_episodes, ENV_TEST_SEED)

@@ -1,0 +1,149 @@
+"""The fault-tolerance boundary around a task's `generate_rollout`, and the Task helpers the loops rely on,
+with hand-written fake rollout functions (no model).
+
+Reference: issue 14 "Bad input": a rollout that raises, returns the wrong type or hangs is counted, logged
+with its problem index and the exception's first line, bounded by `rollout.timeout_s`, and the run goes on;
+more than `rollout.max_failed_frac` failed stops the run naming the most common error. And item 2: problem
+k of a run is the k-th train problem, cycling; an Env task's test split is fixed episode seeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+from inflight.config import RolloutConfig, RunConfig
+from inflight.envs.base import episode_seeds
+from inflight.envs.math import MathEnv
+from inflight.errors import UserError
+from inflight.orchestrator.guard import LOGGED_PER_ERROR, RolloutGuard
+from inflight.orchestrator.task import ENV_TEST_SEED, env_task, make_env, train_problem
+from inflight.rollouts.api import RolloutContext
+from inflight.types import Rollout
+
+
+def ctx(problem_index: int = 0, sample_index: int = 0) -> RolloutContext:
+    async def never(request: Any) -> Any:
+        raise AssertionError("the fake rollouts never call the policy")
+
+    return RolloutContext(never, None, None, problem_index=problem_index, sample_index=sample_index)  # type: ignore[arg-type]
+
+
+def rollout(reward: float = 1.0) -> Rollout:
+    return Rollout(token_ids=[1], loss_mask=[True], logprobs=[0.0], versions=[0], reward=reward)
+
+
+def run(guard: RolloutGuard, fn: Any, problem_index: int = 0) -> Rollout | None:
+    return asyncio.run(guard.run(fn, ctx(problem_index), {}))
+
+
+async def good(ctx: RolloutContext, problem: dict) -> Rollout:
+    return rollout()
+
+
+async def raises(ctx: RolloutContext, problem: dict) -> Rollout:
+    raise ValueError("no answer in the reply\n  (a second line of the message)")
+
+
+async def wrong_type(ctx: RolloutContext, problem: dict) -> Rollout:
+    return {"reward": 1.0}  # type: ignore[return-value]
+
+
+async def hangs(ctx: RolloutContext, problem: dict) -> Rollout:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def own_timeout(ctx: RolloutContext, problem: dict) -> Rollout:
+    raise TimeoutError("the remote environment did not answer")
+
+
+def test_each_failure_is_counted_logged_with_its_problem_and_the_run_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    guard = RolloutGuard(RolloutConfig(timeout_s=0.05, max_failed_frac=1.0), min_rollouts=1)
+    with caplog.at_level(logging.WARNING, logger="inflight.orchestrator.guard"):
+        assert run(guard, good) is not None
+        assert run(guard, raises, problem_index=3) is None
+        assert run(guard, wrong_type, problem_index=4) is None
+        assert run(guard, hangs, problem_index=5) is None
+        assert run(guard, own_timeout, problem_index=6) is None
+    assert (guard.attempted, guard.failed, guard.timeouts) == (5, 4, 1)
+    assert guard.metrics() == {"rollout_errors": 4.0, "rollout_timeouts": 1.0}
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "rollout failed: problem 3, sample 0: ValueError: no answer in the reply",  # its first line
+        "rollout failed: problem 4, sample 0: TypeError: generate_rollout returned a dict, not a Rollout",
+        "rollout failed: problem 5, sample 0: TimeoutError: generate_rollout ran past rollout.timeout_s=0.05"
+        " s",
+        "rollout failed: problem 6, sample 0: TimeoutError: the remote environment did not answer",
+    ]
+    guard.check()  # max_failed_frac=1: never stops
+
+
+def test_the_same_error_is_logged_a_few_times_then_only_counted(caplog: pytest.LogCaptureFixture) -> None:
+    guard = RolloutGuard(RolloutConfig(max_failed_frac=1.0), min_rollouts=1)
+    with caplog.at_level(logging.WARNING, logger="inflight.orchestrator.guard"):
+        for k in range(LOGGED_PER_ERROR + 3):
+            run(guard, raises, problem_index=k)
+    assert guard.failed == LOGGED_PER_ERROR + 3 and len(caplog.records) == LOGGED_PER_ERROR
+    assert "counted, not logged" in caplog.records[-1].getMessage()
+
+
+def test_too_many_failures_stop_the_run_naming_the_most_common_error() -> None:
+    guard = RolloutGuard(RolloutConfig(max_failed_frac=0.5), min_rollouts=8)
+    for fn in (raises, raises, raises, wrong_type, good, good, good):
+        run(guard, fn)
+    guard.check()  # 4 of 7 failed, but fewer than min_rollouts were tried: not judged yet
+    run(guard, good)
+    guard.check()  # 4 of 8: not more than half
+    run(guard, raises)
+    with pytest.raises(UserError) as e:
+        guard.check()
+    assert str(e.value) == (
+        "stopped: 5 of 9 rollouts failed, more than rollout.max_failed_frac=0.5; the most common error "
+        "(4x): ValueError: no answer in the reply"
+    )
+
+
+def test_a_cancellation_passes_through_uncounted() -> None:
+    guard = RolloutGuard(RolloutConfig(), min_rollouts=1)
+
+    async def cancel_it() -> None:
+        task = asyncio.create_task(guard.run(hangs, ctx(), {}))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_it())
+    assert guard.failed == 0
+
+
+def test_train_problem_k_cycles_through_the_train_split_and_is_a_copy() -> None:
+    problems = [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert [train_problem(problems, k)["i"] for k in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    train_problem(problems, 0)["i"] = 99
+    assert problems[0] == {"i": 0}
+
+
+def test_an_env_tasks_splits_are_seeds() -> None:
+    task = env_task("math", MathEnv)
+    train, test = task.load_problems("train"), task.load_problems("test")
+    assert [train[k]["seed"] for k in range(4)] == [0, 1, 2, 3]  # the sync loop's seeds for run seed 0
+    assert [test[i]["seed"] for i in range(50)] == episode_seeds(50, ENV_TEST_SEED)  # the old eval hands
+    assert test[3] == {"seed": test[3]["seed"], "split": "test"} and train[:2][1]["seed"] == 1
+    with pytest.raises(ValueError, match="'train' and 'test'"):
+        task.load_problems("validation")
+
+
+def test_an_env_that_takes_a_split_gets_it_and_env_name_replaces_the_tasks_env() -> None:
+    cfg = RunConfig()
+    train = make_env(MathEnv, cfg, "train")
+    test = make_env(MathEnv, cfg, "test")
+    assert {p.split for p in train.problems} == {"train"} and {p.split for p in test.problems} == {"test"}
+    cfg.env.name = "arithmetic"
+    assert type(make_env(MathEnv, cfg, "train")).__name__ == "ArithmeticEnv"
