@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="train on a task: a built-in recipe or your own",
         description="Train on a task, e.g. `inflight run blackjack grpo.steps=100 trainer.lr=3e-4` or "
-        "`inflight run examples/single_turn.py`. Overrides are dotted config keys (see --list-keys). Runs "
+        "`inflight run examples/letter_count.py`. Overrides are dotted config keys (see --list-keys). Runs "
         "the asynchronous pipeline by default (mode=async); mode=sync runs the on-policy reference loop. "
         "A run directory with a checkpoint is resumed. Prints one JSON summary line at the end. Writing a "
         "task: docs/bring-your-own-task.md.",
@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=[],
-        help="accepted X-API-Key (repeatable); without one the server only listens on loopback",
+        help="accepted X-API-Key (repeatable; empty or blank keys are refused); without one the server only "
+        "listens on loopback",
     )
     serve.add_argument(
         "--dtype",
