@@ -6,8 +6,9 @@ Batched vs serial: N adapters (LoRA rank R) each send one forward_backward job o
 "batched" runs all N jobs in one `ServiceEngine.forward_backward` call (one pass, each row with its own
 adapter); "serial" makes one call per job. Same engine, same jobs, same total work; best of --repeats
 after a warm-up, alternating. `ratio_batched_vs_serial` = serial seconds / batched seconds. The same
-comparison for sampling (one job of --samples sequences per adapter) is reported as
-`sample_ratio_batched_vs_serial`. Prints one JSON line last.
+comparison for sampling (one job of --samples sequences per adapter, through the service's sampler: the
+shared built-in engine on its own thread) is reported as `sample_ratio_batched_vs_serial`. Prints one JSON
+line last.
 Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64 --dtype auto]` (default model: the tiny
 preset, built locally; dtype as `inflight serve --dtype`, reported in the JSON).
 """
@@ -126,15 +127,27 @@ def main(argv: list[str] | None = None) -> dict:
         for job in jobs:
             _check(engine.forward_backward([job]))
 
+    # Sampling runs as the service runs it: each job submitted to the base model's engine (its own thread,
+    # continuous batching), the adapters registered as save_weights_for_sampler registers them.
+    from inflight.api.sampler import build_sampler
+
+    sampler = build_sampler(engine.sampling_engines()).start()
+    for job in sample_jobs:
+        sampler.set_adapter("bench", engine.sampler_update(job.weights, job.weights))
+
     def sample_batched() -> None:
-        _check(engine.sample(sample_jobs))
+        for future in [sampler.submit(job) for job in sample_jobs]:
+            future.result(timeout=600)
 
     def sample_serial() -> None:
         for job in sample_jobs:
-            _check(engine.sample([job]))
+            sampler.submit(job).result(timeout=600)
 
     train = _best_seconds({"batched": batched, "serial": serial}, args.repeats)
-    sampling = _best_seconds({"batched": sample_batched, "serial": sample_serial}, args.repeats)
+    try:
+        sampling = _best_seconds({"batched": sample_batched, "serial": sample_serial}, args.repeats)
+    finally:
+        sampler.stop()
     num_datums = args.adapters * args.datums
     result: dict[str, Any] = {
         "ratio_batched_vs_serial": round(train["serial"] / train["batched"], 2),

@@ -26,7 +26,6 @@ import torch
 from sqlalchemy.exc import OperationalError
 from tinker.proto import tinker_public_pb2 as pb
 
-from inflight.api import engine_sampling
 from inflight.api import worker as worker_module
 from inflight.api.app import BackgroundServer, create_app
 from inflight.api.checkpoints import CheckpointStore
@@ -41,6 +40,7 @@ from inflight.api.engine import (
 )
 from inflight.api.futures import FutureStore, RequestType
 from inflight.api.jobs import BaseModelLimits
+from inflight.api.sampler import build_sampler
 from inflight.api.service import ServiceConfig
 from inflight.api.worker import ORPHANED_ERROR, EngineWorker, WorkerConfig
 
@@ -175,8 +175,10 @@ def live(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[EngineWorker, F
                 )
             )
     info = engine.model_info(BASE)
+    sampler = build_sampler(engine.sampling_engines()).start()
     worker = EngineWorker(
         engine,
+        sampler,
         db,
         CheckpointStore(db, tmp_path / "checkpoints"),
         limits={
@@ -186,7 +188,17 @@ def live(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[EngineWorker, F
     )
     yield worker, FutureStore(db), engine
     worker.stop()
+    sampler.stop()
     db.close()
+
+
+def _rounds(worker: EngineWorker, store: FutureStore, request_ids: list[str], timeout_s: float = 60) -> None:
+    """Worker rounds until every request is settled (samples come back from the engine's own thread)."""
+    deadline = time.monotonic() + timeout_s
+    while any(not store.get(r).finished for r in request_ids):
+        assert time.monotonic() < deadline, [store.get(r) for r in request_ids]
+        if not worker.run_once():
+            time.sleep(0.01)
 
 
 def _submit_raw(store: FutureStore, tenant: str, seq_id: int, **overrides: Any) -> str:
@@ -205,7 +217,8 @@ def test_hostile_payloads_in_the_queue_fail_alone_as_user_errors(live) -> None:
         for seq, kind in enumerate(["topk_prompt_logprobs", "top_k", "num_samples", "stop"])
     ]
     valid.append(_submit_raw(store, "victim", 2))
-    assert worker.run_once() == len(valid) + len(hostile)  # one claim: they were batched together
+    assert worker.run_once() == len(valid) + len(hostile)  # one claim: handed to the engine together
+    _rounds(worker, store, valid + hostile)
     for request_id in valid:
         assert store.get(request_id).status == "done"
     for request_id in hostile:
@@ -218,38 +231,56 @@ def test_hostile_payloads_in_the_queue_fail_alone_as_user_errors(live) -> None:
 
 
 def _faulty(real: Any, fault: BaseException) -> Any:
-    """The real batched function, failing for a batch that holds a job whose prompt has the MARK token."""
+    """The real batched function, failing for a batch that holds a job whose data has the MARK token."""
 
     def run(*args: Any) -> Any:
         result = real(*args)  # the work (and, for forward_backward, the gradients) happens first
         work = args[3]
-        prompts = [getattr(getattr(w, "job", None), "prompt_tokens", None) or [] for w in work]
         datums = [d.input_tokens for w in work if hasattr(w, "prepared") for d in w.prepared.job.data]
-        if any(MARK in tokens for tokens in [*prompts, *datums]):
+        if any(MARK in tokens for tokens in datums):
             raise fault
         return result
 
     return run
 
 
-def test_a_fault_in_a_sampling_batch_fails_only_its_job(tiny_model_dir: Path, monkeypatch) -> None:
+def test_a_fault_in_a_sampling_batch_fails_only_its_job(tiny_model_dir: Path) -> None:
+    """A request whose prefill fails (a hostile prompt running the engine out of memory) fails alone: the
+    requests it shared the step with go on exactly as they would alone, and the engine keeps serving."""
     engine = _engine(tiny_model_dir)
     jobs = [SampleJob(None, BASE, [5, 9, s], num_samples=2, max_tokens=5, seed=s) for s in range(3)]
-    alone = [engine.sample([job])[0] for job in jobs]
-    monkeypatch.setattr(
-        "inflight.api.engine.run_sampling", _faulty(engine_sampling.run_sampling, MemoryError("10.9 TiB"))
-    )
-    hostile = SampleJob(None, BASE, [5, MARK], max_tokens=3)
-    batched = engine.sample([jobs[0], hostile, jobs[1], jobs[2]])
-    assert isinstance(batched[1], MemoryError)
-    assert [batched[0], batched[2], batched[3]] == alone  # same tokens and logprobs as each alone
-    assert engine.counters["batches_split"] == 1
+    sampler = build_sampler(engine.sampling_engines()).start()
+    try:
+        alone = [sampler.submit(job).result(timeout=60) for job in jobs]
+        runner = engine.sampling_engines()[BASE][0]._runner
+        real_prefill = runner.prefill
+
+        def prefill(prompts: list[list[int]], *args: Any) -> Any:
+            if any(MARK in prompt for prompt in prompts):
+                raise MemoryError("Unable to allocate 10.9 TiB")
+            return real_prefill(prompts, *args)
+
+        runner.prefill = prefill  # type: ignore[method-assign]
+        hostile = SampleJob(None, BASE, [5, MARK], max_tokens=3)
+        futures = [sampler.submit(job) for job in (jobs[0], hostile, jobs[1], jobs[2])]
+        with pytest.raises(Exception, match=r"10\.9 TiB"):
+            futures[1].result(timeout=60)
+        batched = [futures[i].result(timeout=60) for i in (0, 2, 3)]
+        for got, want in zip(batched, alone, strict=True):  # the same samples as each alone (logprobs up
+            for a, b in zip(got.sequences, want.sequences, strict=True):  # to a batch's float rounding)
+                assert a.tokens == b.tokens and a.stop_reason == b.stop_reason
+                np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert engine.sampling_engines()[BASE][0].metrics().prefill_failures == 1
+        again = sampler.submit(jobs[0]).result(timeout=60)  # still serving
+        assert [q.tokens for q in again.sequences] == [q.tokens for q in alone[0].sequences]
+    finally:
+        sampler.stop()
 
 
 def test_a_fault_in_a_training_batch_fails_only_its_job_and_takes_back_its_gradients(
     tiny_model_dir: Path, monkeypatch
 ) -> None:
-    from inflight.api import engine_forward
+    from inflight.trainer import tinker_pass
 
     def job(model_id: str, tokens: list[int]) -> ForwardBackwardJob:
         return ForwardBackwardJob(
@@ -266,8 +297,8 @@ def test_a_fault_in_a_training_batch_fails_only_its_job_and_takes_back_its_gradi
             engine.forward_backward([item])
     expected = [reference.forward_backward([item])[0] for item in good]
     monkeypatch.setattr(
-        "inflight.api.engine.run_forward_backward",
-        _faulty(engine_forward.run_forward_backward, RuntimeError("injected")),
+        "inflight.trainer.adapters.run_forward_backward",
+        _faulty(tinker_pass.run_forward_backward, RuntimeError("injected")),
     )
     results = faulty.forward_backward([good[0], job("evil", [3, MARK, 4]), good[1]])
     assert isinstance(results[1], RuntimeError)
@@ -290,7 +321,7 @@ def test_a_failure_to_encode_one_result_fails_only_that_future(live, monkeypatch
     monkeypatch.setattr(worker_module, "encode_sample_output", encode)
     valid = [_submit_raw(store, "victim", seq) for seq in range(2)]
     victim = _submit_raw(store, "attacker", 0, topk_prompt_logprobs=3, prompt_logprobs=True)
-    worker.run_once()
+    _rounds(worker, store, [*valid, victim])
     assert [store.get(r).status for r in valid] == ["done", "done"]
     failed = store.get(victim)
     assert failed.status == "failed" and failed.error_category == "server"

@@ -109,6 +109,23 @@ def retrieve(url: str, request_id: str) -> httpx.Response:
     pytest.fail(f"future {request_id} did not finish within {RESULT_TIMEOUT_S} s")
 
 
+def post_forward_backward(url: str, model_id: str, seq_id: int, data: list[types.Datum]) -> str:
+    request = types.ForwardBackwardRequest(
+        model_id=model_id,
+        seq_id=seq_id,
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+    )
+    response = httpx.post(
+        f"{url}/api/v1/forward_backward",
+        content=forward_backward_request_to_proto(request).SerializeToString(),
+        headers={"Content-Type": "application/x-protobuf"},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    request_id: str = response.json()["request_id"]
+    return request_id
+
+
 def sample_body(session: str, seq_id: int, **params: Any) -> dict[str, Any]:
     return {
         "sampling_session_id": session,
@@ -147,29 +164,23 @@ def test_kill_9_then_restart_keeps_futures_and_checkpoints(
     )["sampling_session_id"]
     done_id = post(url, "asample", sample_body(base_session, 0))["request_id"]
     done_bytes = retrieve(url, done_id).content
-    # A long job keeps the single worker busy, so what is submitted next stays pending.
-    long_id = post(url, "asample", sample_body(base_session, 1, num_samples=256, max_tokens=1500, stop=[]))[
-        "request_id"
-    ]
+    # A long training job keeps the worker busy (samples no longer would: they run on the engine's own
+    # thread), so what is submitted next stays pending.
+    next_seq = (store.max_seq_id(training.model_id) or 0) + 1
+    long_tokens = [3 + (7 * i) % 2000 for i in range(2001)]
+    long_datum = types.Datum(
+        model_input=types.ModelInput.from_ints(long_tokens[:-1]),
+        loss_fn_inputs={"target_tokens": long_tokens[1:]},
+    )
+    long_id = post_forward_backward(url, training.model_id, next_seq, [long_datum] * 48)
     deadline = time.monotonic() + RESULT_TIMEOUT_S
     while store.get(long_id).status != "running":
-        assert time.monotonic() < deadline, "the long sample never started running"
+        assert time.monotonic() < deadline, "the long forward_backward never started running"
         time.sleep(0.05)
     queued_id = post(url, "asample", sample_body(base_session, 2))["request_id"]
-    next_seq = (store.max_seq_id(training.model_id) or 0) + 1
-    fwd_bwd = types.ForwardBackwardRequest(
-        model_id=training.model_id,
-        seq_id=next_seq,
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-    )
-    response = httpx.post(
-        f"{url}/api/v1/forward_backward",
-        content=forward_backward_request_to_proto(fwd_bwd).SerializeToString(),
-        headers={"Content-Type": "application/x-protobuf"},
-    )
-    assert response.status_code == 200, response.text
-    pending_fb_id = response.json()["request_id"]
+    pending_fb_id = post_forward_backward(url, training.model_id, next_seq + 1, [datum])
     assert store.get(queued_id).status == store.get(pending_fb_id).status == "pending"
+    assert store.get(long_id).status == "running"
 
     servers[0].kill()
     servers.append(ServerProcess(tiny_model_dir, state_dir, port))

@@ -165,11 +165,14 @@ def test_sampler_checkpoint_sampling_and_prompt_logprobs(service, tokens) -> Non
     assert by_text.stop_reason == "stop" and by_text.tokens == greedy.tokens[: len(by_text.tokens)]
     assert stop_text in tokenizer.decode(by_text.tokens) and len(by_text.tokens) <= 4
 
-    # compute_logprobs agrees with the training forward at the same weights.
+    # compute_logprobs agrees with the training forward at the same weights: to float32 rounding, or in
+    # bfloat16 (the default where the CPU has it) to its precision, the sampling engine's forward and the
+    # trainer's being two implementations (measured max 8e-3 on an AMX Xeon).
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     assert logprobs[0] is None and len(logprobs) == len(tokens)
     trained = logprobs_of(training.forward([datum], "cross_entropy").result())
-    torch.testing.assert_close(torch.tensor(logprobs[1:], dtype=torch.float64), trained, atol=1e-4, rtol=0)
+    atol = 1e-4 if resolve_dtype("auto", torch.device("cpu")) == torch.float32 else 0.03
+    torch.testing.assert_close(torch.tensor(logprobs[1:], dtype=torch.float64), trained, atol=atol, rtol=0)
 
 
 def test_state_checkpoint_restores_weights_and_adam_state(service, tokens) -> None:
@@ -247,9 +250,11 @@ def test_rl_step_importance_sampling_and_ppo_losses(service, tokens) -> None:
 
     out = training.forward_backward(datums, "importance_sampling").result()
     assert out.metrics["loss:sum"] == pytest.approx(expected("importance_sampling", out), rel=1e-4)
-    # On-policy (no step since sampling) the ratio is 1 on sampled tokens: the loss is -sum(A) per token.
+    # On-policy (no step since sampling) the ratio is 1 on sampled tokens: the loss is -sum(A) per token,
+    # up to the sampler-trainer logprob gap (float32: ~1e-5; bfloat16: its precision, two implementations).
     on_policy = -sum(a * len(s.tokens) for a, s in zip(advantages_g, result.sequences, strict=True))
-    assert out.metrics["loss:sum"] == pytest.approx(on_policy, abs=1e-3)
+    tolerance = 1e-3 if resolve_dtype("auto", torch.device("cpu")) == torch.float32 else 0.05
+    assert out.metrics["loss:sum"] == pytest.approx(on_policy, abs=tolerance)
     training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     clip = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     ppo = training.forward_backward(datums, "ppo", loss_fn_config=clip).result()

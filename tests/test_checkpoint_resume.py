@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import inflight.trainer.checkpoint as ckpt
+import inflight.trainer.policy as policy_files
 from inflight.cli import main
 from inflight.errors import UserError
 from inflight.models import load_model
@@ -74,7 +74,7 @@ def save(model_dir: Path, path: Path, step: int) -> None:
 
 # The calls through which a save touches the disk; the kill comes just before one of them.
 OPERATIONS: list[tuple[Any, str]] = [
-    (ckpt, "save_file"),
+    (policy_files, "save_file"),  # the policy writes its weights; checkpoint.py orders the writes
     (torch, "save"),
     (os, "fsync"),
     (os, "replace"),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from inflight.cli import main
 from inflight.trainer import Trainer, TrainerConfig
@@ -182,6 +183,23 @@ def test_run_unreachable_engine_url(capsys, tiny_model_dir: Path, tmp_path: Path
     urls = json.dumps(["http://127.0.0.1:1"])
     line = one_line_error(capsys, *run(tiny_model_dir, tmp_path / "run", f"pipeline.engine_urls={urls}"))
     assert "pipeline.engine_urls: http://127.0.0.1:1 does not answer" in line and "serve-engine" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("key", ["engine.device", "trainer.device"])
+def test_run_on_a_device_that_is_not_there(
+    capsys, tiny_model_dir: Path, tmp_path: Path, key: str, no_weights
+) -> None:
+    line = one_line_error(capsys, *run(tiny_model_dir, tmp_path / "run", f"{key}=cuda"))
+    assert f"{key}='cuda' but this machine has no CUDA device: set {key}=cpu (or auto)" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_serve_on_a_device_that_is_not_there(
+    capsys, tiny_model_dir: Path, tmp_path: Path, no_weights
+) -> None:
+    line = one_line_error(capsys, *serve(tiny_model_dir, tmp_path, "--device", "cuda:1"))
+    assert "--device='cuda:1' but this machine has no CUDA device" in line
 
 
 # -- inflight plot, inflight model tiny -------------------------------------------------------------------

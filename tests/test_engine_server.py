@@ -5,19 +5,21 @@ and the balanced client's failover (a replica killed with SIGKILL, one hung with
 References: OpenAI's completions/chat wire format (the `openai` SDK parses our answers), the in-process
 BuiltinEngine (same seed, same tokens), and the new weights' full forward (`prompt_logprobs`) for the
 "recompute" KV policy. Replicas are real subprocesses on free loopback ports; servers that a test must
-stop, restart or configure differently run in-process under uvicorn.
+stop, restart or configure differently run in-process (`ServerThread`). Adapters are held to PEFT's own
+forward of a directory PEFT saved, and to the in-process engine with the same adapter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,20 +29,27 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
+import transformers
 from safetensors.torch import save, save_file
 
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig
+from inflight.inference.adapter_files import write_adapter_dir
 from inflight.inference.client import (
     BalancedClient,
     ClientConfig,
     EngineClient,
     EngineRequestError,
     NoReplicaAvailableError,
+    ReplicaError,
+    adapter_bytes,
 )
-from inflight.inference.server import EngineServerConfig, create_app
+from inflight.inference.server import EngineServerConfig, ServerThread, create_app
+from inflight.inference.wire import SetAdapterRawParams
 from inflight.models import load_model, load_tokenizer
-from inflight.types import SampleRequest, SamplingParams, WeightUpdate
+from inflight.models.chat_template import generation_stop_ids
+from inflight.models.lora_adapter import peft_key
+from inflight.orchestrator.remote_engine import RemoteEngines
+from inflight.types import AdapterUpdate, SampleRequest, SamplingParams, WeightUpdate
 
 STARTUP_TIMEOUT_S = 240.0  # importing torch + transformers on two shared, busy cores
 
@@ -133,31 +142,20 @@ def make_engine(model_dir: Path, **config) -> BuiltinEngine:
 
 
 class InProcessServer:
-    """uvicorn in a thread on a fixed free port; stop() and start() again to simulate an outage."""
+    """An engine server in a thread on a fixed free port; stop() and start() again to simulate an outage."""
 
     def __init__(self, make_app: Callable[[], object]) -> None:
         self.make_app, self.port = make_app, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: ServerThread | None = None
 
     def start(self) -> InProcessServer:
-        config = uvicorn.Config(self.make_app(), host="127.0.0.1", port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                pytest.fail(f"in-process engine server on port {self.port} did not start within 60 s")
-            time.sleep(0.01)
+        self._thread = ServerThread(self.make_app(), port=self.port).start()  # type: ignore[arg-type]
         return self
 
     def stop(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(60)
-            assert not self._thread.is_alive(), f"in-process server on port {self.port} did not stop in 60 s"
+        if self._thread is not None:
+            self._thread.stop()
 
 
 @contextlib.contextmanager
@@ -212,7 +210,7 @@ def test_openai_client_completions_and_chat(replicas, tokenizer) -> None:
     async def same_on_generate(prompt: list[int], seed: int, max_tokens: int):
         async with EngineClient(url) as engine:
             return await engine.generate(
-                prompt, SamplingParams(max_tokens=max_tokens, seed=seed, stop_token_ids=[eos])
+                SampleRequest(prompt, SamplingParams(max_tokens=max_tokens, seed=seed, stop_token_ids=[eos]))
             )
 
     out = client.completions.create(model=card.id, prompt="The game", max_tokens=12, n=2, seed=7, logprobs=1)
@@ -277,7 +275,7 @@ def test_generate_equals_the_in_process_engine(replicas, tiny_model_dir) -> None
 
     async def remote():
         async with EngineClient(replicas["b"].url) as client:
-            return await asyncio.gather(*(client.generate(p, sp) for p, sp in batch))
+            return await asyncio.gather(*(client.generate(SampleRequest(p, sp)) for p, sp in batch))
 
     served = asyncio.run(remote())
     local = make_engine(tiny_model_dir).generate([SampleRequest(p, sp) for p, sp in batch])
@@ -393,7 +391,9 @@ def test_update_lands_in_flight_without_draining(tiny_model_dir, tokenizer, new_
     async def main(url: str):
         async with EngineClient(url) as client:
             tasks = [
-                asyncio.create_task(client.generate(p, SamplingParams(max_tokens=max_tokens, seed=i)))
+                asyncio.create_task(
+                    client.generate(SampleRequest(p, SamplingParams(max_tokens=max_tokens, seed=i)))
+                )
                 for i, p in enumerate(prompts(4))
             ]
             await wait_generating(url, 4 * 20)
@@ -453,7 +453,7 @@ def test_kv_policy_over_http(kv_policy: str, tiny_model_dir, tokenizer, new_weig
     async def main(url: str):
         async with EngineClient(url) as client:
             task = asyncio.create_task(
-                client.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+                client.generate(SampleRequest(prompt, SamplingParams(max_tokens=max_tokens, temperature=0)))
             )
             await wait_generating(url, 20)
             await client.update_weights_raw(save(new_state), version=1)
@@ -487,13 +487,13 @@ def test_balanced_client_spreads_load_and_passes_4xx_through(replicas) -> None:
     async def main():
         async with BalancedClient(urls) as client:
             outs = await asyncio.gather(
-                *(client.generate(p, SamplingParams(max_tokens=8)) for p in prompts(8))
+                *(client.generate(SampleRequest(p, SamplingParams(max_tokens=8))) for p in prompts(8))
             )
             chat = await client.chat(
                 [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=5, seed=0)
             )
             with pytest.raises(EngineRequestError, match="must lie in"):
-                await client.generate([99999], SamplingParams(max_tokens=2))
+                await client.generate(SampleRequest([99999], SamplingParams(max_tokens=2)))
             return outs, chat, await client.versions(), client.metrics()
 
     outs, chat, versions, metrics = asyncio.run(main())
@@ -509,7 +509,7 @@ def test_all_replicas_down_names_them() -> None:
 
     async def main():
         async with BalancedClient(urls, ClientConfig(connect_timeout_s=2)) as client:
-            await client.generate([1, 2], SamplingParams(max_tokens=2))
+            await client.generate(SampleRequest([1, 2], SamplingParams(max_tokens=2)))
 
     with pytest.raises(NoReplicaAvailableError) as info:
         asyncio.run(main())
@@ -530,7 +530,7 @@ def test_killed_replica_requests_finish_on_the_other(replicas, tiny_model_dir) -
     async def main():
         config = ClientConfig(health_interval_s=0.5, health_timeout_s=2)
         async with BalancedClient([replicas["a"].url, victim.url], config) as client:
-            tasks = [asyncio.create_task(client.generate(p, sp)) for p, sp in batch]
+            tasks = [asyncio.create_task(client.generate(SampleRequest(p, sp))) for p, sp in batch]
             await wait_generating(victim.url, 20)
             on_victim = client.metrics().replicas[1].outstanding
             victim.process.send_signal(signal.SIGKILL)
@@ -555,7 +555,7 @@ def test_hung_replica_is_found_by_the_health_check_and_its_calls_move(replicas, 
     async def main():
         config = ClientConfig(health_interval_s=0.3, health_timeout_s=1.0)
         async with BalancedClient([replicas["a"].url, hung.url], config) as client:
-            tasks = [asyncio.create_task(client.generate(p, sp)) for p, sp in batch]
+            tasks = [asyncio.create_task(client.generate(SampleRequest(p, sp))) for p, sp in batch]
             await wait_generating(hung.url, 20)
             hung.process.send_signal(signal.SIGSTOP)
             try:
@@ -593,7 +593,7 @@ def test_outage_and_recovery_replays_the_missed_update(tiny_model_dir, tokenizer
             failures = client.metrics().health_check_failures
             live = await client.update_weights(str(path), version=1)
             outs = await asyncio.gather(
-                *(client.generate(p, SamplingParams(max_tokens=4)) for p in prompts(3))
+                *(client.generate(SampleRequest(p, SamplingParams(max_tokens=4))) for p in prompts(3))
             )
             servers[1].start()  # a fresh engine at version 0 on the same port
             await wait_until(
@@ -610,3 +610,389 @@ def test_outage_and_recovery_replays_the_missed_update(tiny_model_dir, tokenizer
     assert all(o.versions == [1] * 4 for o in outs)
     assert versions == {urls[0]: 1, urls[1]: 1}  # caught up on recovery
     assert (metrics.recoveries, metrics.replica_failures) == (1, 1)
+
+
+# -- LoRA adapters over HTTP ------------------------------------------------------------------------
+
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def lora_shapes(tiny_model_dir: Path) -> dict[str, tuple[int, int]]:
+    """The tiny model's adaptable linear layers: module name -> (in_features, out_features)."""
+    model = load_model(tiny_model_dir)
+    return {
+        name: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ADAPTED
+    }
+
+
+def random_adapter(shapes: dict[str, tuple[int, int]], name: str, version: int, seed: int) -> AdapterUpdate:
+    """Random A and B (B nonzero, so the adapter changes the tokens) on every adaptable layer."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (fan_in, fan_out) in shapes.items():
+        tensors[peft_key(module, "A")] = torch.randn(4, fan_in, generator=g) * 0.3
+        tensors[peft_key(module, "B")] = torch.randn(fan_out, 4, generator=g) * 0.3
+    return AdapterUpdate(name=name, version=version, rank=4, scale=0.5, tensors=tensors)
+
+
+def test_a_peft_adapter_over_http_matches_peft(tiny_model_dir, tokenizer, tmp_path: Path) -> None:
+    """A directory PEFT saved (rsLoRA scaling, a subset of modules) served through /set_adapter: /generate's
+    prompt logprobs, top-k prompt logprobs, greedy tokens and raw logprobs equal PEFT's own forward; the
+    OpenAI routes serve it as `model`; once removed, it is refused by name."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    config = LoraConfig(
+        r=4, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True,
+        init_lora_weights=False,  # random B: a fresh adapter would equal the base model
+    )  # fmt: skip
+    peft_model = get_peft_model(load_model(tiny_model_dir), config).eval()
+    peft_model.save_pretrained(str(tmp_path / "saved"))
+    adapter_dir = tmp_path / "saved"
+    prompt = tokenizer.encode("Dealer shows 7, you have 12")
+    greedy = 6
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        for _ in range(greedy):  # PEFT's greedy continuation, one full forward per token
+            ids = torch.cat([ids, peft_model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        ref = torch.log_softmax(peft_model(ids).logits[0].float(), -1)
+    ref_tokens = ids[0, len(prompt) :].tolist()
+    ref_prompt = ref[: len(prompt) - 1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    ref_sampled = ref[len(prompt) - 1 : -1].gather(1, torch.tensor(ref_tokens)[:, None]).squeeze(1)
+
+    with in_process(make_engine(tiny_model_dir), tokenizer, weights_dir=str(tmp_path)) as server:
+        http = httpx.Client(base_url=server.url, timeout=120)
+        reply = http.post("/set_adapter", json={"name": "coach", "path": str(adapter_dir), "version": 3})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["rank"] == 4 and abs(reply.json()["scale"] - 6 / 2) < 1e-9  # alpha / sqrt(r)
+        body = {
+            "prompt_token_ids": prompt, "max_tokens": greedy, "temperature": 0, "adapter": "coach",
+            "logprobs_kind": "raw", "prompt_logprobs": True, "topk_prompt_logprobs": 3,
+        }  # fmt: skip
+        out = http.post("/generate", json=body).json()
+        assert out["token_ids"] == ref_tokens and out["versions"] == [3] * greedy
+        assert max_diff(out["logprobs"], ref_sampled.tolist()) < 1e-4
+        assert out["prompt_logprobs"][0] is None  # NaN on the engine side; JSON has none
+        assert max_diff(out["prompt_logprobs"][1:], ref_prompt.tolist()) < 1e-4
+        best = ref[: len(prompt) - 1].topk(3, -1)
+        assert out["topk_prompt_logprobs"][0] == []
+        assert [[i for i, _ in pairs] for pairs in out["topk_prompt_logprobs"][1:]] == best.indices.tolist()
+        base = http.post("/generate", json={**body, "adapter": None}).json()
+        assert base["token_ids"] != ref_tokens and base["versions"] == [0] * greedy
+
+        # vLLM's convention: the adapter is a model of its own on the OpenAI routes.
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["inflight", "coach"]
+        completion = http.post(
+            "/v1/completions",
+            json={
+                "model": "coach",
+                "prompt": prompt,
+                "max_tokens": greedy,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        ).json()
+        assert completion["model"] == "coach" and completion["choices"][0]["token_ids"] == ref_tokens
+        assert http.get("/health").json()["adapters"] == {"coach": 3}
+
+        assert http.post("/remove_adapter", json={"name": "coach"}).json() == {"name": "coach", "version": 3}
+        refused = http.post("/generate", json=body)
+        assert refused.status_code == 404 and "'coach'" in refused.text and "/set_adapter" in refused.text
+        gone = http.post("/v1/completions", json={"model": "coach", "prompt": prompt, "max_tokens": 1})
+        assert gone.status_code == 404 and "'coach'" in gone.text
+
+
+def test_adapter_routes_refuse_bad_input_with_4xx_and_keep_serving(
+    tiny_model_dir, tokenizer, lora_shapes, tmp_path: Path
+) -> None:
+    root = tmp_path / "served"
+    good = random_adapter(lora_shapes, "good", version=2, seed=1)
+    write_adapter_dir(root / "good", good)
+
+    def variant(name: str, config: dict | None = None, tensors: dict | None = None, raw: bytes | None = None):
+        """A copy of the good directory with its config patched, its tensors replaced or its file garbage."""
+        path = root / name
+        write_adapter_dir(path, good if tensors is None else AdapterUpdate("x", 0, 4, 0.5, tensors))
+        if config is not None:
+            text = json.loads((path / "adapter_config.json").read_text())
+            (path / "adapter_config.json").write_text(json.dumps({**text, **config}))
+        if raw is not None:
+            (path / "adapter_model.safetensors").write_bytes(raw)
+        return str(path)
+
+    renamed = {
+        k.replace("layers.0.self_attn.q_proj", "layers.0.self_attn.qq_proj"): v
+        for k, v in good.tensors.items()
+    }
+    no_config = variant("no-config")
+    (Path(no_config) / "adapter_config.json").unlink()
+    outside = tmp_path / "outside"
+    write_adapter_dir(outside, good)
+    wrong_shape = dict(good.tensors)
+    wrong_shape[peft_key("model.layers.1.mlp.down_proj", "B")] = torch.zeros(3, 4)
+    cases = [
+        ({"path": str(outside)}, 403, "outside this server's weights_dir"),
+        ({"path": str(root / "missing")}, 400, "does not exist"),
+        ({"path": no_config}, 400, "adapter_config.json"),
+        ({"path": variant("no-r", {"r": None})}, 400, "'r' must be an integer"),
+        ({"path": variant("patterns", {"rank_pattern": {"q_proj": 8}})}, 400, "rank_pattern"),
+        ({"path": variant("dora", {"peft_type": "IA3"})}, 400, "only LORA"),
+        ({"path": variant("garbage", raw=b"not safetensors")}, 400, "safetensors"),
+        ({"path": variant("module", tensors=renamed)}, 400, "model.layers.0.self_attn.qq_proj"),
+        ({"path": variant("shape", tensors=wrong_shape)}, 400, "model.layers.1.mlp.down_proj"),
+        ({"path": variant("rank", {"r": 8})}, 400, "for rank 8"),
+        ({"name": "two words"}, 400, "name"),
+        ({"name": str(tiny_model_dir)}, 400, "base model's name"),
+        ({"version": -1}, 400, "version"),
+    ]
+    with in_process(
+        make_engine(tiny_model_dir), tokenizer, weights_dir=str(root), model_name=str(tiny_model_dir)
+    ) as server:
+        http = httpx.Client(base_url=server.url, timeout=120)
+        ok = http.post("/set_adapter", json={"name": "good", "path": str(root / "good"), "version": 2})
+        assert ok.status_code == 200, ok.text
+        for patch, status, fragment in cases:
+            body = {"name": "new", "path": str(root / "good"), "version": 1, **patch}
+            reply = http.post("/set_adapter", json=body)
+            assert (reply.status_code, fragment in reply.text) == (status, True), (patch, reply.text)
+        older = http.post("/set_adapter", json={"name": "good", "path": str(root / "good"), "version": 1})
+        assert older.status_code == 409 and "older" in older.text
+        data = adapter_bytes(good)
+        raw_cases: list[tuple[dict[str, str | int], bytes, str]] = [
+            ({}, data, "name"),
+            ({"name": "r", "version": 1, "rank": 4, "scale": "nan"}, data, "scale"),
+            ({"name": "r", "version": 1, "rank": 4, "scale": 1, "extra": 1}, data, "extra"),
+            ({"name": "r", "version": 1, "rank": 4, "scale": 1}, b"garbage", "safetensors"),
+            ({"name": "r", "version": 1, "rank": 2, "scale": 1}, data, "for rank 2"),
+        ]
+        for query, content, fragment in raw_cases:
+            reply = http.post("/set_adapter_raw", params=query, content=content)
+            assert (reply.status_code, fragment in reply.text) == (400, True), (query, reply.text)
+        generate = {"prompt_token_ids": [5, 6], "max_tokens": 1}
+        generate_cases: list[tuple[dict[str, object], int, str]] = [
+            ({"adapter": "nope"}, 404, "'nope'"),
+            ({"logprobs_kind": "behaviour"}, 400, "logprobs_kind"),
+            ({"topk_prompt_logprobs": 10**6}, 400, "topk_prompt_logprobs"),
+        ]
+        for patch, status, fragment in generate_cases:
+            reply = http.post("/generate", json={**generate, **patch})
+            assert (reply.status_code, fragment in reply.text) == (status, True), (patch, reply.text)
+        assert http.post("/remove_adapter", json={"name": "nope"}).status_code == 404
+        chat = {"model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 404
+        # Nothing refused was registered, and the server still serves the good one.
+        assert http.get("/adapters").json() == {"adapters": {"good": 2}}
+        served = http.post("/generate", json={**generate, "adapter": "good"})
+        assert served.status_code == 200 and served.json()["versions"] == [2]
+        assert http.get("/metrics").json()["requests_failed"] == 0
+
+
+def test_adapter_replaced_and_removed_in_flight_over_http(tiny_model_dir, tokenizer, lora_shapes) -> None:
+    """Requests decoding on adapters when one is replaced and the other removed over HTTP: the first switches
+    to the new weights mid-completion (tokens stamped with the new version), the second finishes on its old
+    weights, and a new request naming the removed one is refused. Tokens before and after the switch are
+    the in-process engine's for the same adapter versions."""
+    a1, a2 = (random_adapter(lora_shapes, "a", version=v, seed=v) for v in (1, 2))
+    b1 = random_adapter(lora_shapes, "b", version=1, seed=5)
+    on_a, on_b = prompts(2, seed=4)
+    long = SamplingParams(max_tokens=600, temperature=0)
+
+    async def main():
+        async with EngineClient(server.url) as client:
+            for update in (a1, b1):
+                params = SetAdapterRawParams(name=update.name, version=update.version, rank=4, scale=0.5)
+                await client.set_adapter_raw(adapter_bytes(update), params)
+            running = [
+                asyncio.create_task(client.generate(SampleRequest(p, long, adapter=n)))
+                for p, n in ((on_a, "a"), (on_b, "b"))
+            ]
+            await wait_generating(server.url, min_tokens=20)
+            params = SetAdapterRawParams(name="a", version=2, rank=4, scale=0.5)
+            replaced = await client.set_adapter_raw(adapter_bytes(a2), params)
+            removed = await client.remove_adapter("b")
+            with pytest.raises(EngineRequestError, match="'b'") as refused:
+                await client.generate(SampleRequest(on_b, long, adapter="b"))
+            return replaced, removed, refused.value.status, await asyncio.gather(*running)
+
+    with in_process(make_engine(tiny_model_dir), tokenizer) as server:
+        replaced, removed, status, (a, b) = asyncio.run(main())
+    assert (replaced.replaced, replaced.previous_version, removed.version, status) == (True, 1, 1, 404)
+    switch = a.versions.index(2)
+    assert 0 < switch < 600 and a.versions == [1] * switch + [2] * (600 - switch), "switched mid-completion"
+    assert b.versions == [1] * 600 and b.finish_reason == "length"
+    local = make_engine(tiny_model_dir)
+    for update in (a1, b1):
+        local.set_adapter(update)
+    before, whole_b = local.generate(
+        [SampleRequest(on_a, long, adapter="a"), SampleRequest(on_b, long, adapter="b")]
+    )
+    assert a.token_ids[:switch] == before.token_ids[:switch] and b.token_ids == whole_b.token_ids
+
+
+def test_balanced_client_keeps_every_replica_on_the_same_adapters(
+    tiny_model_dir, tokenizer, lora_shapes
+) -> None:
+    """Adapters set or removed while a replica is away reach it before it serves again: one restarted (a fresh
+    engine, no adapters) gets those set meanwhile; one that missed a removal has it removed."""
+    servers = [
+        InProcessServer(lambda: create_app(make_engine(tiny_model_dir), tokenizer)).start() for _ in range(2)
+    ]
+    urls = [s.url for s in servers]
+    old, a = random_adapter(lora_shapes, "old", 1, seed=1), random_adapter(lora_shapes, "a", 3, seed=2)
+
+    async def adapters_of(url: str) -> dict[str, int]:
+        async with EngineClient(url) as client:
+            return await client.adapters()
+
+    async def main():
+        config = ClientConfig(health_interval_s=0.2, health_timeout_s=2)
+        async with BalancedClient(urls, config) as client:
+            assert await client.set_adapter_raw(old) == {urls[0]: 1, urls[1]: 1}
+            servers[1].stop()
+            await wait_until(lambda: not client.metrics().replicas[1].healthy, 30, "the stopped replica down")
+            assert await client.set_adapter_raw(a) == {urls[0]: 3}
+            servers[1].start()  # a fresh engine on the same port: no adapters at all
+            await wait_until(lambda: client.metrics().replicas[1].healthy, 30, "the restarted replica up")
+            restarted = await adapters_of(urls[1])
+
+            # A removal that one replica misses (its call fails once): removed there on its recovery.
+            replica = client._replicas[1].client
+            real_remove = replica.remove_adapter
+
+            async def fail_once(name: str):
+                replica.remove_adapter = real_remove  # type: ignore[method-assign]
+                raise ReplicaError(f"{replica.url}: injected failure")
+
+            replica.remove_adapter = fail_once  # type: ignore[method-assign]
+            assert await client.remove_adapter("old") == [urls[0]]
+            assert not client.metrics().replicas[1].healthy
+            await wait_until(
+                lambda: client.metrics().replicas[1].healthy, 30, "the replica that missed it up"
+            )
+            outs = await asyncio.gather(
+                *(
+                    client.generate(SampleRequest(p, SamplingParams(max_tokens=3), adapter="a"))
+                    for p in prompts(4)
+                )
+            )
+            with pytest.raises(EngineRequestError, match="'old'"):
+                await client.generate(SampleRequest([5, 6], adapter="old"))
+            return restarted, [await adapters_of(u) for u in urls], outs, client.metrics()
+
+    try:
+        restarted, after, outs, metrics = asyncio.run(main())
+    finally:
+        for server in servers:
+            server.stop()
+    assert restarted == {"old": 1, "a": 3}  # caught up before serving
+    assert after == [{"a": 3}, {"a": 3}]
+    assert all(o.versions == [3] * 3 for o in outs)
+    assert {r.url: r.served > 0 for r in metrics.replicas} == {urls[0]: True, urls[1]: True}
+
+
+def test_remote_engines_ship_an_adapter_as_a_peft_directory(
+    tiny_model_dir, tokenizer, lora_shapes, tmp_path: Path
+) -> None:
+    """The pipeline's remote engines: set_adapter writes a PEFT directory under the run's weights dir (older
+    versions collected) and every replica serves it; the tokens are the in-process engine's."""
+    weights_dir = tmp_path / "weights"
+    updates = [random_adapter(lora_shapes, "policy", version=v, seed=v) for v in (1, 2, 3)]
+    prompt = prompts(1, seed=9)[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    servers = [
+        InProcessServer(
+            lambda: create_app(
+                make_engine(tiny_model_dir), tokenizer, EngineServerConfig(weights_dir=str(weights_dir))
+            )
+        ).start()
+        for _ in range(2)
+    ]
+    remote = RemoteEngines([s.url for s in servers], weights_dir)
+
+    async def main():
+        await remote.astart()
+        try:
+            outs = []
+            for update in updates:
+                await asyncio.to_thread(remote.set_adapter, update)
+                outs.append(await remote.generate(SampleRequest(prompt, greedy, adapter="policy"), 60))
+            kept = sorted(p.name for p in weights_dir.glob("adapters/*/v*"))
+            await asyncio.to_thread(remote.remove_adapter, "policy")
+            with pytest.raises(EngineRequestError, match="'policy'"):
+                await remote.generate(SampleRequest(prompt, greedy, adapter="policy"), 60)
+            return outs, kept
+        finally:
+            await remote.aclose()
+
+    try:
+        outs, kept = asyncio.run(main())
+    finally:
+        for server in servers:
+            server.stop()
+    assert kept == ["v00000002", "v00000003"]
+    local = make_engine(tiny_model_dir)
+    for update, out in zip(updates, outs, strict=True):
+        local.set_adapter(update)
+        [expected] = local.generate([SampleRequest(prompt, greedy, adapter="policy")])
+        assert (out.token_ids, out.versions) == (expected.token_ids, [update.version] * 8)
+    assert outs[0].token_ids != outs[2].token_ids  # the versions differ, so the check above has teeth
+
+
+# -- chat on a model's own end-of-turn token -------------------------------------------------------
+
+LLAMA3_TEMPLATE = (  # Meta-Llama-3-8B-Instruct's chat template (as in tests/test_model_families.py)
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def test_chat_stops_at_the_models_own_end_of_turn_token(tiny_model_dir) -> None:
+    """A Llama 3 style model whose template ends a turn with <|eot_id|> while its generation config stops
+    only at <|end_of_text|> (as Llama 3 base tokenizers ship): a chat reply ends at <|eot_id|>, which the
+    server reads from the template; a completion, which has no turns, runs past it."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.add_special_tokens(
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|end_of_text|>",
+            "extra_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        }
+    )
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    eot, end_of_text = (int(tokenizer.convert_tokens_to_ids(t)) for t in ("<|eot_id|>", "<|end_of_text|>"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = end_of_text
+    messages = [{"role": "user", "content": "hit or stand?"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    with torch.no_grad():  # make <|eot_id|> the greedy first reply token: twice the winner's (positive) row
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+        assert logits.max() > 0
+        model.lm_head.weight[eot] = 2 * model.lm_head.weight[int(logits.argmax())]
+    engine = BuiltinEngine(model, copy.deepcopy(tokenizer), BuiltinEngineConfig(max_seq_len_tokens=128))
+    app = create_app(engine, tokenizer, EngineServerConfig(), generation_stop_ids(model))
+    server = ServerThread(app).start()
+    try:
+        http = httpx.Client(base_url=server.url, timeout=120)
+        chat = http.post(
+            "/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0}
+        )
+        completion = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+    finally:
+        server.stop()
+    [reply] = chat.json()["choices"]
+    assert chat.json()["prompt_token_ids"] == prompt
+    assert (reply["token_ids"], reply["finish_reason"], reply["message"]["content"]) == ([eot], "stop", "")
+    [free] = completion.json()["choices"]
+    assert free["token_ids"][0] == eot and len(free["token_ids"]) == 6 and free["finish_reason"] == "length"

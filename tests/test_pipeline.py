@@ -2,7 +2,8 @@
 
 - at max_staleness_steps=0 it reproduces the sync loop step for step (same samples, same losses);
 - with a bound k > 0 generation runs ahead, and no trained token is older than k steps;
-- a rollout that raises is counted and the run goes on.
+- a rollout that raises is counted and the run goes on;
+- with `trainer.lora_rank=N` (both loops) only the adapter reaches the engine, and sampler and trainer agree.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from inflight.config import RunConfig
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.pipeline import run_pipeline
+from inflight.orchestrator.publish import policy_engine
 from inflight.orchestrator.run import train
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, pad_id
 from inflight.orchestrator.sync_loop import LoopParts
@@ -29,6 +32,7 @@ from inflight.orchestrator.target import resolve_target
 from inflight.orchestrator.task import Task, load_split
 from inflight.orchestrator.warmup import format_warmup
 from inflight.rollouts.chat import ChatFormat
+from inflight.trainer.lora_policy import ADAPTER_NAME
 
 BLACKJACK = resolve_target("blackjack")
 
@@ -177,3 +181,38 @@ def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed) -> No
     # Lag <= 1 at trainer version >= 2 means the replica sampled with weights the trainer published.
     assert history[-1]["version"] >= 2 and history[-1]["lag_steps_max"] <= 1
     assert sorted(p.name for p in (tmp_path / "weights").glob("weights-*.safetensors"))
+
+
+# ---- LoRA RL (issue 12 item 3): the engine keeps its frozen base and receives only the adapter -------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_lora_rl_ships_only_the_adapter(tmp_path: Path, warmed, mode: str) -> None:
+    cfg = small_config(tmp_path, max_staleness_steps=1)
+    cfg.mode, cfg.grpo.steps = mode, 4
+    cfg.trainer.lora_rank, cfg.trainer.lr = 8, 1e-2
+    state, model_dir = warmed
+    cfg.model.path = model_dir
+    model, tokenizer = load_policy(cfg)
+    model.load_state_dict(state)
+    engine = build_engine(cfg, model, tokenizer)  # first: it copies the (warmed) base weights
+    trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
+    problems, chat = load_split(BLACKJACK, "train"), ChatFormat(tokenizer)
+    parts = LoopParts(policy_engine(engine, trainer), trainer, chat, BLACKJACK, problems)
+    history = train(parts, cfg, MetricsLogger(tmp_path), tmp_path)
+
+    assert len(history) == 4 and trainer.version >= 3  # a skipped (uninformative) step may not update
+    metrics = engine.metrics()
+    assert metrics.updates_received == 0  # the base never changed hands
+    assert metrics.adapter_updates_received >= 1 + trainer.version  # the initial adapter and one per step
+    assert engine.adapters() == {ADAPTER_NAME: trainer.version}
+    assert max(h["lag_steps_max"] for h in history) <= (0 if mode == "sync" else 1)
+    # Sampler and trainer agree on every token the current adapter sampled: the engine's adapter is the
+    # trainer's (a stale or missing adapter would show the whole policy change here).
+    parity = [h["logprob_parity_max_abs"] for h in history if h.get("logprob_parity_token_frac", 0) > 0]
+    assert parity and max(parity) < 1e-3, parity
+    # The adapter trained: its B left zero, and the frozen base did not move.
+    update = trainer.adapter_update()
+    assert any(t.abs().max() > 0 for name, t in update.tensors.items() if "lora_B" in name)
+    base = trainer.policy.adapters.base_weights()  # type: ignore[attr-defined]
+    assert base.keys() == state.keys() and all(torch.equal(base[k], state[k]) for k in state)

@@ -19,8 +19,6 @@ from inflight.api.engine import (
     ForwardBackwardOutput,
     LoraSpec,
     OptimStep,
-    SampleJob,
-    SampleOutput,
     ServiceEngine,
     ServiceEngineConfig,
 )
@@ -34,7 +32,7 @@ EOS = 2
 def _engine(model_dir: Path, **config) -> ServiceEngine:
     """float32 unless a test names the dtype: these tests hold the engine to float32 references exactly (the
     bfloat16 engine has its own tests, test_service_engine_bfloat16.py)."""
-    config = {"seed": 0, "dtype": "float32", **config}
+    config = {"seed": 0, "dtype": "float32", "sample_kv_cache_mb": 64, **config}
     return ServiceEngine({"tiny": str(model_dir)}, max_rank=32, config=ServiceEngineConfig(**config))
 
 
@@ -57,7 +55,7 @@ def _datum(tokens: list[int], **inputs: list[float]) -> Datum:
     return Datum(input_tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
 
 
-def _ok(result: ForwardBackwardOutput | SampleOutput | Exception):
+def _ok(result: ForwardBackwardOutput | Exception):
     assert not isinstance(result, Exception), result
     return result
 
@@ -443,199 +441,6 @@ def test_save_state_before_any_step_and_overwrite(engine, tmp_path):
     assert _same_weights(engine, "m", engine, other)
 
 
-# ---- sampling -------------------------------------------------------------------------------------------
-
-
-def _sample(engine: ServiceEngine, *jobs: SampleJob) -> list[SampleOutput]:
-    return [_ok(r) for r in engine.sample(list(jobs))]
-
-
-def _greedy_reference(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
-    tokens, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(steps):
-            logp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0, -1], -1)
-            tokens.append(int(logp.argmax()))
-            logprobs.append(float(logp.max()))
-    return tokens[len(prompt) :], logprobs
-
-
-def test_greedy_sampling_equals_the_naive_argmax_loop(engine, hf_model):
-    prompt = _tokens(6, 3)
-    expected, expected_lps = _greedy_reference(hf_model, prompt, steps=12)
-    out = _sample(
-        engine,
-        SampleJob(None, "tiny", prompt, num_samples=2, max_tokens=12, temperature=0.0, stop=[]),
-        SampleJob(None, "tiny", prompt, max_tokens=12, temperature=1.0, top_k=1, seed=3, stop=[]),
-    )
-    for seq in [*out[0].sequences, *out[1].sequences]:  # top-k 1 leaves the argmax alone
-        assert seq.tokens == expected and seq.stop_reason == "length"
-        # Reported logprobs are the raw model distribution's, whatever the temperature or truncation.
-        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(expected_lps), rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(tiny_model_dir, dtype):
-    engine = _engine(tiny_model_dir, dtype=dtype)
-    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=1))
-    engine.create_adapter("n", "tiny", LoraSpec(rank=4, seed=2))
-    _train(engine, "m", steps=2)
-    _train(engine, "n", steps=2, seed=1)
-    job = SampleJob("m", "tiny", _tokens(5, 0), num_samples=3, max_tokens=10, seed=7, stop=[])
-    alone = _sample(engine, job)[0]
-    again = _sample(engine, job)[0]
-    crowd = _sample(
-        engine,
-        SampleJob("n", "tiny", _tokens(11, 1), num_samples=4, max_tokens=6),
-        job,
-        SampleJob(None, "tiny", _tokens(2, 2), num_samples=2, max_tokens=14, temperature=0.7, top_k=50),
-    )[1]
-    tokens = [s.tokens for s in alone.sequences]
-    assert tokens == [s.tokens for s in again.sequences] == [s.tokens for s in crowd.sequences]
-    assert len({tuple(t) for t in tokens}) == 3  # seed + i: the samples differ from each other
-    for i in range(3):  # sample i is the single sample of seed + i
-        single = SampleJob("m", "tiny", job.prompt_tokens, max_tokens=10, seed=7 + i, stop=[])
-        assert _sample(engine, single)[0].sequences[0].tokens == tokens[i]
-    # Decoding in chunks of at most 2 sequences (max_sample_rows) changes nothing either.
-    engine.config.max_sample_rows = 2
-    chunked = _sample(engine, SampleJob(None, "tiny", [5], max_tokens=3), job)[1]
-    assert [s.tokens for s in chunked.sequences] == tokens
-
-
-@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-4), ("bfloat16", 1e-3)])
-def test_sampled_and_prompt_logprobs_equal_the_training_forward(tiny_model_dir, dtype, atol):
-    """Up to rounding: a decode step's one-token matmuls could round differently from the training pass's
-    (measured: equal on this CPU in both dtypes, the LoRA term accumulating in place on both paths)."""
-    engine = _engine(tiny_model_dir, dtype=dtype)
-    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=1, train_unembed=True))
-    _train(engine, "m", steps=2)
-    prompt = _tokens(7, 4)
-    out = _sample(
-        engine,
-        SampleJob(
-            "m", "tiny", prompt, max_tokens=9, seed=1, stop=[], prompt_logprobs=True, topk_prompt_logprobs=3
-        ),
-    )[0]
-    seq = out.sequences[0]
-    forward = _forward_logprobs(engine, "m", prompt + seq.tokens)  # forward[i] scores token i + 1
-    torch.testing.assert_close(
-        torch.tensor(seq.logprobs), torch.tensor(forward[len(prompt) - 1 :]), rtol=0, atol=atol
-    )
-    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
-    torch.testing.assert_close(
-        torch.tensor(out.prompt_logprobs[1:]), torch.tensor(forward[: len(prompt) - 1]), rtol=0, atol=atol
-    )
-    assert out.topk_prompt_logprobs is not None and out.topk_prompt_logprobs[0] is None
-    for top, token, lp in zip(out.topk_prompt_logprobs[1:], prompt[1:], out.prompt_logprobs[1:], strict=True):
-        assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and top[0][1] >= lp - 1e-6
-        assert all(value == pytest.approx(lp, abs=1e-6) for i, value in top if i == token)
-
-
-def test_stop_tokens_stop_strings_and_never_stop(engine, hf_model, tiny_model_dir):
-    prompt = _tokens(4, 8)
-    greedy, _ = _greedy_reference(hf_model, prompt, steps=16)
-    cut = next(i for i in range(3, 16) if greedy[i] not in greedy[:i])
-    by_token = _sample(
-        engine, SampleJob(None, "tiny", prompt, max_tokens=16, temperature=0, stop=[greedy[cut]])
-    )
-    assert by_token[0].sequences[0].tokens == greedy[: cut + 1]  # the stop token is kept
-    assert by_token[0].sequences[0].stop_reason == "stop"
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    text = tokenizer.decode(greedy)
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    first = next(j for j in range(len(greedy)) if stop in tokenizer.decode(greedy[: j + 1]))
-    by_string = _sample(engine, SampleJob(None, "tiny", prompt, max_tokens=16, temperature=0, stop=[stop]))
-    seq = by_string[0].sequences[0]
-    assert (seq.tokens, seq.stop_reason) == (greedy[: first + 1], "stop")
-    assert stop in tokenizer.decode(seq.tokens) and stop not in tokenizer.decode(seq.tokens[:-1])
-
-    never = _sample(engine, SampleJob(None, "tiny", prompt, max_tokens=16, temperature=0, stop=[]))
-    assert (never[0].sequences[0].tokens, never[0].sequences[0].stop_reason) == (greedy, "length")
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_trained_adapter_learns_to_stop_at_eos(tiny_model_dir, dtype):
-    """Training through the engine works end to end: cross_entropy on "prompt -> EOS" makes greedy sampling
-    end at EOS when stop is None, and run on past it when stop is []."""
-    engine = _engine(tiny_model_dir, dtype=dtype)
-    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=0))
-    prompt = _tokens(5, 9)
-    datum = _datum([*prompt, EOS], weights=[0.0] * (len(prompt) - 1) + [1.0])
-    for _ in range(30):
-        _ok(engine.forward_backward([ForwardBackwardJob("m", [datum], "cross_entropy")])[0])
-        engine.optim_step(OptimStep("m", learning_rate=0.02))
-    stops = _sample(engine, SampleJob("m", "tiny", prompt, max_tokens=8, temperature=0))[0].sequences[0]
-    assert (stops.tokens, stops.stop_reason) == ([EOS], "stop")
-    never = _sample(engine, SampleJob("m", "tiny", prompt, max_tokens=8, temperature=0, stop=[]))[0]
-    assert len(never.sequences[0].tokens) == 8 and never.sequences[0].tokens[0] == EOS
-    base = _sample(engine, SampleJob(None, "tiny", prompt, max_tokens=1, temperature=0))[0]
-    assert base.sequences[0].tokens != [EOS]  # the base model does not: the adapter made the difference
-
-
-def test_sampler_checkpoints_and_snapshots_are_frozen(engine, tiny_model_dir, tmp_path):
-    engine.create_adapter("m", "tiny", LoraSpec(rank=8, seed=1))
-    _train(engine, "m", steps=2)
-    prompt = _tokens(9, 6)
-    job = SampleJob("m", "tiny", prompt, max_tokens=1, prompt_logprobs=True)
-    before = _sample(engine, job)[0].prompt_logprobs
-    engine.snapshot_sampler_weights("m", "snap")
-    engine.save_sampler_weights("m", tmp_path / "sampler")
-    _train(engine, "m", steps=1, seed=5)
-    other = _engine(tiny_model_dir)
-    other.load_sampler_weights("disk", tmp_path / "sampler")
-
-    def prompt_lps(e: ServiceEngine, weights: str) -> list:
-        return _sample(e, SampleJob(weights, "tiny", prompt, max_tokens=1, prompt_logprobs=True))[
-            0
-        ].prompt_logprobs
-
-    assert prompt_lps(engine, "snap") == before
-    torch.testing.assert_close(
-        torch.tensor(prompt_lps(other, "disk")[1:]), torch.tensor(before[1:]), rtol=0, atol=1e-6
-    )
-    assert prompt_lps(engine, "m") != before  # the live adapter moved on
-    engine.delete_adapter("m")
-    assert not engine.has_adapter("m") and prompt_lps(engine, "snap") == before
-    engine.delete_sampler_weights("snap")
-    assert isinstance(engine.sample([SampleJob("snap", "tiny", prompt)])[0], UserError)
-
-
-def test_bad_sampling_jobs_fail_alone(engine):
-    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
-    good = SampleJob("m", "tiny", [5, 6, 7], max_tokens=3)
-    jobs = [
-        good,
-        SampleJob("m", "tiny", [5, VOCAB], max_tokens=3),
-        SampleJob("nope", "tiny", [5], max_tokens=3),
-        SampleJob("m", "other", [5], max_tokens=3),
-        SampleJob("m", "tiny", [], max_tokens=3),
-        SampleJob("m", "tiny", [5], max_tokens=0),
-        SampleJob("m", "tiny", [5], temperature=-1.0),
-        SampleJob("m", "tiny", [5], stop=[1, "x"]),  # type: ignore[list-item]
-        SampleJob("m", "tiny", [5], stop=[VOCAB + 1]),
-        SampleJob("m", "tiny", [5] * 2048),
-    ]
-    results = engine.sample(jobs)
-    messages = [
-        None,
-        "not a token id",
-        "unknown sampling weights",
-        "unknown base model",
-        "no tokens",
-        "max_tokens",
-        "temperature",
-        "list of strings or a list of token ids",
-        "stop token ids",
-        "context",
-    ]
-    for result, message in zip(results, messages, strict=True):
-        if message is None:
-            assert len(_ok(result).sequences[0].tokens) == 3
-        else:
-            assert isinstance(result, UserError) and message in str(result), (message, result)
-
-
 # ---- adapters and base models ---------------------------------------------------------------------------
 
 
@@ -662,7 +467,7 @@ def test_adapter_lifecycle_and_base_model_info(engine, tiny_model_dir):
 
 
 def test_a_fault_in_the_batched_pass_fails_its_jobs_not_the_engine(engine, monkeypatch):
-    import inflight.api.engine as engine_module
+    import inflight.trainer.adapters as adapters_module  # the engine's batched pass runs through it
 
     engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
     job = ForwardBackwardJob("m", [_datum(_tokens(6, 0))], "cross_entropy")
@@ -671,7 +476,7 @@ def test_a_fault_in_the_batched_pass_fails_its_jobs_not_the_engine(engine, monke
         raise RuntimeError("device fell over")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine_module, "run_forward_backward", broken)
+        patch.setattr(adapters_module, "run_forward_backward", broken)
         results = engine.forward_backward([job, job, ForwardBackwardJob("m", [], "cross_entropy")])
     assert [type(r) for r in results] == [RuntimeError, RuntimeError, UserError]
     # The batch of two fails, then each job alone (a fault fails only the jobs that cause it).

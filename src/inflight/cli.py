@@ -91,6 +91,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_keys=list(args.api_key),
         state_dir=args.state_dir,
         dtype=args.dtype,
+        device=args.device,
     )
     return 0
 
@@ -187,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="base weights' precision; LoRA adapters and their optimizer state stay float32 (default auto: "
         "bfloat16 where the device multiplies it natively, i.e. a CUDA GPU or a CPU with AVX512-BF16/AMX, "
         "else float32)",
+    )
+    serve.add_argument(
+        "--device",
+        default="auto",
+        help="where base models, adapters, training and sampling run: auto (a CUDA GPU when there is one, "
+        "else cpu), cpu, cuda or cuda:N",
     )
     serve.set_defaults(func=_cmd_serve)
 

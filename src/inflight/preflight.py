@@ -209,6 +209,10 @@ def check_run(cfg: RunConfig, env_name: str = "", env_factory: Any = None) -> No
     """What `inflight run` can check before it builds anything (the task, the run directory and its
     checkpoint are checked where they are opened, also before the weights load). `env_factory`: the task's
     own Env (named `env_name`), which `cfg.env.name` replaces when set."""
+    from inflight.models.device import resolve_device  # torch: only once a run is really starting
+
+    resolve_device(cfg.engine.device, "engine.device")
+    resolve_device(cfg.trainer.device, "trainer.device")
     if cfg.model.path:
         check_model_dir(cfg.model.path)
     if cfg.env.name:

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+# Which log-probability the engine reports for each sampled token (docs/architecture.md, "Logprobs"):
+# "sampled": under the distribution the token was drawn from (temperature, then top-k/top-p truncation and
+#   renormalisation); the pipeline's behaviour logprobs, what its importance ratios need.
+# "raw": log_softmax of the model's logits at temperature 1, untruncated; Tinker's wire semantics.
+LogprobKind = Literal["sampled", "raw"]
 # A model's weight precision; "auto": bfloat16 where the device multiplies it natively, else float32.
 DtypeName = Literal["auto", "float32", "bfloat16"]
 
@@ -26,6 +31,7 @@ class SamplingParams:
     seed: int | None = None  # same seed + prompt + weights -> same tokens
     stop: tuple[str, ...] = ()  # stop when the decoded completion contains one of these
     stop_token_ids: tuple[int, ...] = ()  # stop after sampling one of these (kept in the output)
+    logprobs_kind: LogprobKind = "sampled"  # which logprob Completion.logprobs holds
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +61,11 @@ class SampleRequest:
     prompt_token_ids: list[int]  # [P]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=new_id)
+    adapter: str | None = None  # a LoRA adapter registered with the engine (set_adapter); None = base weights
+    # Log-probabilities of the prompt's own tokens (temperature 1, untruncated), e.g. Tinker's
+    # compute_logprobs: the log-prob of each prompt token, and the k most likely tokens at each position.
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0  # 0 = none
 
 
 @dataclass
@@ -68,6 +79,13 @@ class Completion:
     versions: list[int]  # [T] policy version of the weights that produced each token
     finish_reason: FinishReason
     text: str | None = None  # decoded completion, when the engine has a tokenizer
+    # [P] when asked: log p(prompt_t | prompt_<t) at temperature 1; position 0 has no prefix and is NaN.
+    prompt_logprobs: list[float] | None = None
+    # [P] when asked: the k most likely (token id, logprob) at each position, most likely first; [0] is [].
+    topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    # Why the engine gave up on this request (finish_reason "abort"): its own prefill failed, e.g. out of
+    # memory; None for a request that finished, or was aborted by its caller.
+    error: str | None = None
 
 
 @dataclass
@@ -147,6 +165,21 @@ class TrainSample:
             advantages=[advantage * m for m in mask],
             versions=list(rollout.versions),
         )
+
+
+@dataclass
+class AdapterUpdate:
+    """One LoRA adapter's weights for the engine, tagged with its version (its optimizer steps applied).
+
+    `tensors` uses PEFT's names (`base_model.model.<module>.lora_A.weight` [r, in], `...lora_B.weight`
+    [out, r]); the adapter adds `scale * B @ A @ x` to each listed module's output.
+    """
+
+    name: str
+    version: int
+    rank: int
+    scale: float  # alpha / rank
+    tensors: dict  # PEFT name -> torch.Tensor (untyped here so types.py does not import torch)
 
 
 @dataclass

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from inflight.api.engine import ServiceEngine
+    from inflight.api.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,13 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state, worker = _start(config, engine, worker_config)
+        state, worker, sampler = _start(config, engine, worker_config)
         app.state.service = state
         try:
             yield
         finally:
             worker.stop()
+            sampler.stop()  # after the worker: nothing submits any more
             state.db.close()
 
     app = FastAPI(title="inflight: Tinker-compatible service", lifespan=lifespan)
@@ -91,10 +93,13 @@ def create_app(
 
 def _start(
     config: ServiceConfig, engine: ServiceEngine | None, worker_config: WorkerConfig | None
-) -> tuple[ServiceState, EngineWorker]:
+) -> tuple[ServiceState, EngineWorker, Sampler]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     if engine is None:
         engine = load_engine(config)
+    from inflight.api.sampler import build_sampler  # torch: imported when the service starts
+
+    sampler = build_sampler(engine.sampling_engines())
     base_models = {name: _base_model_info(engine, name) for name in engine.base_model_names()}
     db = Database(config.database_url)
     checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
@@ -106,6 +111,7 @@ def _start(
     )
     worker = EngineWorker(
         engine,
+        sampler,
         db,
         checkpoints,
         limits={name: info.limits for name, info in base_models.items()},
@@ -123,8 +129,9 @@ def _start(
         counters=worker.stats,
         archive_signer=ArchiveSigner(),
     )
+    sampler.start()
     worker.start()
-    return state, worker
+    return state, worker, sampler
 
 
 def _base_model_info(engine: ServiceEngine, name: str) -> BaseModelInfo:
@@ -162,6 +169,7 @@ def serve(
     api_keys: list[str],
     state_dir: str,
     dtype: DtypeName = "auto",
+    device: str = "auto",
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
@@ -175,8 +183,16 @@ def serve(
             "sample. Pass --api-key KEY (clients send it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
         )
     config = ServiceConfig(
-        base_models=base_models, db_url=db_url, state_dir=Path(state_dir), api_keys=api_keys, dtype=dtype
+        base_models=base_models,
+        db_url=db_url,
+        state_dir=Path(state_dir),
+        api_keys=api_keys,
+        dtype=dtype,
+        device=device,
     )
+    from inflight.models.device import resolve_device
+
+    resolve_device(device, "--device")  # a device this machine lacks: one line, before anything loads
     ensure_dir(config.state_dir, "--state-dir")
     check_database(config.database_url, "--db" if db_url else "the database in --state-dir")
     for path in base_models.values():
@@ -191,7 +207,9 @@ def load_engine(config: ServiceConfig) -> ServiceEngine:
     from inflight.api.engine import ServiceEngine, ServiceEngineConfig
 
     return ServiceEngine(
-        config.base_models, max_rank=config.max_lora_rank, config=ServiceEngineConfig(dtype=config.dtype)
+        config.base_models,
+        max_rank=config.max_lora_rank,
+        config=ServiceEngineConfig(dtype=config.dtype, device=config.device),
     )
 
 

@@ -1,59 +1,26 @@
 """The internal request and result types between the service's HTTP layer and its compute engine.
 
 Plain dataclasses, decoded from the wire by the HTTP layer and encoded back by it; the engine knows
-nothing of HTTP, the database or futures. Import them from `inflight.api.engine`.
+nothing of HTTP, the database or futures. Import them from `inflight.api.engine`. The training types are
+the trainer's own (`inflight.trainer.types`), re-exported here so the HTTP layer has one place to look.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inflight.trainer.types import Datum, ForwardBackwardJob, ForwardBackwardOutput, LoraSpec, OptimStep
 
-@dataclass
-class LoraSpec:
-    rank: int = 32
-    seed: int | None = None  # adapter init; None = random
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = False
-    # alpha is not sent by Tinker; scale = 32 / rank like Tinker/SkyRL
-
-
-@dataclass
-class Datum:
-    """Tinker's Datum after decoding."""
-
-    input_tokens: list[int]  # [T] model_input flattened (encoded_text chunks only)
-    # target_tokens, weights, logprobs, advantages: each flat [T] (len == len(input_tokens)). Position i of
-    # target_tokens is predicted from input_tokens[:i+1]: the client pre-shifts, the engine never does.
-    loss_fn_inputs: dict[str, list[float] | list[int]]
-
-
-@dataclass
-class ForwardBackwardJob:
-    model_id: str
-    data: list[Datum]
-    loss_fn: str  # cross_entropy | importance_sampling | ppo | cispo
-    loss_fn_config: dict[str, float] | None = None  # ppo/cispo: clip_low_threshold, clip_high_threshold
-    backward: bool = True  # False: forward only (no gradient touched)
-
-
-@dataclass
-class ForwardBackwardOutput:
-    # Per datum: "logprobs" [T] (len == len(target_tokens)) and "elementwise_loss" [T].
-    loss_fn_outputs: list[dict[str, list[float]]]
-    metrics: dict[str, float]  # every key "name:reduction"; at least "loss:sum"
-
-
-@dataclass
-class OptimStep:
-    model_id: str
-    learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0 = no clipping
+__all__ = [
+    "Datum",
+    "ForwardBackwardJob",
+    "ForwardBackwardOutput",
+    "LoraSpec",
+    "OptimStep",
+    "SampleJob",
+    "SampleOutput",
+    "SampledSequence",
+]
 
 
 @dataclass

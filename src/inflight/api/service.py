@@ -42,6 +42,7 @@ class ServiceConfig(BaseModel):
     max_request_bytes: int = Field(default=64 * 2**20, ge=1024)
     max_lora_rank: int = Field(default=64, ge=1)
     dtype: DtypeName = "auto"  # base weights: see ServiceEngineConfig.dtype
+    device: str = "auto"  # auto (CUDA when there is one, else cpu), cpu, cuda, cuda:N: everything runs there
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
     max_num_samples: int = Field(default=256, ge=1)  # per sample request
     # per prompt position: a [prompt, k] table is built and sent back (vLLM's default cap is 20)

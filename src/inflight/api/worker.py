@@ -5,17 +5,23 @@ One round (`run_once`), schedule -> execute -> update:
      model's requests run strictly in seq_id order while different models advance together;
   2. run the heads that change a model or write files (create, load, optim_step, saves) one by one;
   3. run the forward / forward_backward heads as ONE engine call per base model, across LoRA adapters;
-  4. claim the pending samples of every sampling session and run them as one engine call per base model.
+  4. settle the samples the engine finished, and hand the pending samples of every sampling session to the
+     shared engine (`sampler.py`: one engine loop per base model, continuous batching across sessions and
+     adapters). Samples finish asynchronously: a long one never holds up another tenant's training.
 Routes only write futures and `wake` the loop; `on_finished(request_id)` tells long-polls a result is in.
-The engine is never touched from any other thread. Every failure becomes a failed future (user or server
-category) and a count in `counters`; the loop itself never dies. No future stays running: one claimed in a
-round that dies midway (a DB hiccup, an error outside any one request) is failed at once, and a periodic
-sweep fails any running future this worker does not hold (`failed_orphaned`).
+The training engine is never touched from any other thread; the sampler's loops only generate.
+Every failure becomes a failed future (user or server category) and a count in `counters`; the loop itself
+never dies. No future stays running: one claimed in a round that dies midway (a DB hiccup, an error outside
+any one request) is failed at once, and a periodic sweep fails any running future this worker does not
+hold (`failed_orphaned`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
+import queue
 import threading
 import time
 from collections import Counter, defaultdict, deque
@@ -38,6 +44,7 @@ from inflight.api.proto import (
     forward_backward_job,
     parse_forward_backward,
 )
+from inflight.api.sampler import Sampler
 from inflight.api.schemas import (
     CreateModelRequest,
     CreateModelResponse,
@@ -55,17 +62,21 @@ from inflight.errors import UserError
 
 if TYPE_CHECKING:
     from inflight.api.engine import ServiceEngine
-    from inflight.api.engine_types import ForwardBackwardJob, SampleJob, SampleOutput
+    from inflight.api.engine_types import ForwardBackwardJob, SampleOutput
 
 log = logging.getLogger(__name__)
 
 _PASSES = (RequestType.FORWARD, RequestType.FORWARD_BACKWARD)
+# A sample future, its request, and what the engine made of it.
+_Sampled = tuple[Future, SampleRequest, "concurrent.futures.Future[SampleOutput]"]
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 class WorkerConfig(BaseModel):
     idle_poll_s: float = Field(default=0.05, gt=0)  # a backstop: routes wake the loop on every submit
-    max_sample_futures_per_batch: int = Field(default=64, ge=1)
+    # Sample futures handed to the engine and not yet finished; more wait in the database, claimed as these
+    # finish (the engine batches whatever it holds, across sessions and adapters).
+    max_sample_futures_in_flight: int = Field(default=64, ge=1)
     housekeeping_interval_s: float = Field(default=5.0, gt=0)
     seq_gap_timeout_s: float = Field(default=300.0, gt=0)
     stop_timeout_s: float = Field(default=60.0, gt=0)
@@ -90,6 +101,7 @@ class EngineWorker:
     def __init__(
         self,
         engine: ServiceEngine,
+        sampler: Sampler,
         db: Database,
         checkpoints: CheckpointStore,
         *,
@@ -98,6 +110,7 @@ class EngineWorker:
         config: WorkerConfig | None = None,
     ) -> None:
         self.engine = engine
+        self.sampler = sampler
         self.db = db
         self.store = FutureStore(db)
         self.checkpoints = checkpoints
@@ -112,6 +125,10 @@ class EngineWorker:
         self._evicted: set[str] = set()
         self._base_of: dict[str, str] = {}
         self._held: set[str] = set()  # request ids claimed (marked running) and not yet settled
+        # Samples with the engine: their work is not lost when a round fails, so they are held apart.
+        self._sampling: set[str] = set()
+        # Filled by the engine loops' threads, drained by this one.
+        self._sampled: queue.SimpleQueue[_Sampled] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,11 +207,13 @@ class EngineWorker:
                     self._settle(future, err)
         for base_model, group in passes.items():
             self._run_passes(base_model, group)
-        samples = self.store.claim_unordered(RequestType.SAMPLE, self.config.max_sample_futures_per_batch)
+        sampled = self._settle_samples()
+        room = self.config.max_sample_futures_in_flight - len(self._sampling)
+        samples = self.store.claim_unordered(RequestType.SAMPLE, room) if room > 0 else []
         self._held.update(f.request_id for f in samples)
         if samples:
-            self._run_samples(samples)
-        return len(heads) + len(samples)
+            self._submit_samples(samples)
+        return len(heads) + len(samples) + sampled
 
     def housekeeping(self) -> None:
         self.checkpoints.delete_expired()
@@ -208,7 +227,7 @@ class EngineWorker:
     def _fail_orphaned(self) -> None:
         """Fail running futures whose work was lost, so their clients stop polling (never raises)."""
         try:
-            orphaned = self.store.fail_orphaned(self._held, ORPHANED_ERROR)
+            orphaned = self.store.fail_orphaned(self._held | self._sampling, ORPHANED_ERROR)
         except Exception:  # the database is still away: the next housekeeping round tries again
             log.exception("could not fail the futures of a failed round")
             return
@@ -324,7 +343,8 @@ class EngineWorker:
         sampling_session_id = new_sampling_session_id(session_id, request.sampling_session_seq_id)
         # An inflight client follows the model: every inflight save refreshes one shared key.
         key = sampling_session_id if request.kind == "snapshot" else f"{future.model_id}:inflight"
-        self.engine.snapshot_sampler_weights(future.model_id, key)
+        update = self.engine.sampler_update(future.model_id, key)
+        self.sampler.set_adapter(self._base_model(future.model_id), update)
         self._keep_snapshot(future.model_id, key)
         try:
             with self.db.write() as session:
@@ -357,7 +377,7 @@ class EngineWorker:
             self._drop_snapshot(keys.popleft())
 
     def _drop_snapshot(self, key: str) -> None:
-        self.engine.delete_sampler_weights(key)
+        self.sampler.remove_adapter(key)
         self._sampler_keys.discard(key)
         self._evicted.add(key)
 
@@ -418,8 +438,8 @@ class EngineWorker:
                 result if isinstance(result, BaseException) else encode_forward_backward_output(result),
             )
 
-    def _run_samples(self, futures: list[Future]) -> None:
-        by_base: dict[str, list[tuple[Future, SampleRequest, SampleJob]]] = defaultdict(list)
+    def _submit_samples(self, futures: list[Future]) -> None:
+        """Hand each sample to the engine; it comes back through `_sampled` when its last sequence ends."""
         for future in futures:
             try:
                 request = _stored_request(SampleRequest, future)
@@ -433,34 +453,47 @@ class EngineWorker:
                     max_num_samples=self.config.max_num_samples,
                     max_topk_logprobs=self.config.max_topk_logprobs,
                 )
+                pending = self.sampler.submit(job)
             except Exception as err:
                 self._settle(future, err)
                 continue
-            by_base[base_model].append((future, request, job))
-        for items in by_base.values():
-            try:
-                outputs = self.engine.sample([job for _, _, job in items])
-            except Exception as err:
-                for future, _, _ in items:
-                    self._settle(future, err)
-                continue
-            self._count("sample_batches")
-            self._count("sample_jobs", len(items))
-            for (future, request, _), output in zip(items, outputs, strict=True):
-                if isinstance(output, BaseException):
-                    self._settle(future, output)
-                    continue
+            self._held.discard(future.request_id)
+            self._sampling.add(future.request_id)
+            self._count("sample_jobs")
+            pending.add_done_callback(functools.partial(self._on_sampled, future, request))
 
-                def encode(
-                    _: Future, output: SampleOutput = output, request: SampleRequest = request
-                ) -> bytes:
+    def _on_sampled(
+        self, future: Future, request: SampleRequest, done: concurrent.futures.Future[SampleOutput]
+    ) -> None:
+        """On an engine loop's thread: queue the result for this thread, which owns the database writes."""
+        self._sampled.put((future, request, done))
+        self._wake.set()
+
+    def _settle_samples(self) -> int:
+        """Record every sample the engine finished since the last round; returns how many."""
+        settled = 0
+        while True:
+            try:
+                future, request, done = self._sampled.get_nowait()
+            except queue.Empty:
+                return settled
+            self._sampling.discard(future.request_id)
+            self._held.add(future.request_id)  # _settle releases it
+            error = done.exception()
+            if error is not None:
+                self._settle(future, error)
+            else:
+                output = done.result()
+
+                def encode(_: Future, output: SampleOutput = output, req: SampleRequest = request) -> bytes:
                     return encode_sample_output(
                         output,
-                        prompt_logprobs_last_n=request.prompt_logprobs_last_n,
-                        topk_prompt_logprobs=request.topk_prompt_logprobs,
+                        prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+                        topk_prompt_logprobs=req.topk_prompt_logprobs,
                     )
 
                 self._settle(future, encode)  # a failure to encode is this request's alone
+            settled += 1
 
     def _sampler(self, sampling_session_id: str) -> tuple[str, str | None]:
         """(base model, engine weights key or None for the bare base model) of a sampling session."""
@@ -485,7 +518,8 @@ class EngineWorker:
         if model_path is not None:
             if model_path not in self._sampler_keys:
                 checkpoint = self.checkpoints.get(model_path)
-                self.engine.load_sampler_weights(model_path, checkpoint.storage_dir)
+                owner, update = self.engine.read_sampler_update(model_path, checkpoint.storage_dir)
+                self.sampler.set_adapter(owner, update)
                 self._sampler_keys.add(model_path)
             return base_model, model_path
         return base_model, None

@@ -1,12 +1,14 @@
 """The built-in engine: request lifecycle (waiting -> cache row -> finished), stop conditions, per-token
-versions, weight swaps between steps and the KV policy of sequences in flight across a swap. The forward
+versions, the LoRA adapter registry (which request uses which adapter, at which version), weight and adapter
+swaps between steps and the KV policy of sequences in flight across a swap, prompt logprobs. The forward
 pass is a `runner.ModelRunner` (`qwen2.py` for the families it reproduces, else `hf_runner.py`), sampling
-is `sampling.py`. One driver thread calls step()/generate(); add_request, abort, update_weights and
-metrics are thread-safe.
+is `sampling.py`, adapter validation `adapters.py`. One driver thread calls step()/generate(); add_request,
+abort, update_weights, set_adapter, remove_adapter and metrics are thread-safe.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -19,9 +21,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from inflight.inference.adapters import parse_adapter
 from inflight.inference.runner import ModelRunner, RunnerChoice, build_runner
 from inflight.inference.sampling import sample
-from inflight.types import Completion, FinishReason, SampleRequest, WeightUpdate
+from inflight.models.device import resolve_device
+from inflight.types import AdapterUpdate, Completion, FinishReason, SampleRequest, WeightUpdate
+
+log = logging.getLogger(__name__)
 
 
 class BuiltinEngineConfig(BaseModel):
@@ -47,18 +53,34 @@ class BuiltinEngineConfig(BaseModel):
     # Mistral). "hf": the model's Hugging Face forward with its KV cache: any causal LM, slower. "auto":
     # fast where it reproduces the model exactly, else hf (with a one-line warning saying why).
     runner: RunnerChoice = "auto"
+    # Where weights, KV cache and sampling live: "cpu", "cuda", "cuda:N", or "auto" (cuda if there is one).
+    device: str = "cpu"
+
+
+@dataclass(eq=False)
+class _Adapter:
+    """One registered adapter. Sequences hold the object itself (not the name), so a replacement reaches
+    them at the next step and a removal leaves them their weights."""
+
+    name: str
+    version: int
+    weights: Any  # the runner's copy; replaced (never mutated) at a step boundary
+    pending: tuple[int, Any] | None = None  # (version, weights) for the next step; under the engine lock
 
 
 @dataclass
 class _Sequence:
     request: SampleRequest
     generator: torch.Generator | None  # None: draws from the engine's generator
+    adapter: _Adapter | None = None  # None: the base weights
     num_cached: int = 0  # positions whose K/V are in the cache; the last sampled token is not yet
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     stop_text: str | None = None  # the completion text cut before the stop string that ended it
-    kv_version: int = 0  # oldest weight version among this sequence's cached K/V entries
+    kv_version: int = 0  # oldest weight version (the adapter's, for adapter rows) among its cached K/V
+    prompt_logprobs: list[float] | None = None  # [P] when asked
+    topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None  # [P] when asked
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,10 @@ class EngineMetrics:
     update_copy_s_total: float
     sequences_recomputed: int
     tokens_recomputed: int
+    prefill_failures: int  # requests finished with an error because their own prefill raised
+    adapter_updates_received: int  # set_adapter calls accepted (registrations and replacements)
+    adapter_updates_applied: int  # replacements installed at a step boundary
+    adapters_registered: int
     recent_updates: tuple[UpdateRecord, ...]  # the latest ones, oldest first
 
     @property
@@ -124,28 +150,41 @@ class _Counters:
     update_copy_s_total: float = 0.0
     sequences_recomputed: int = 0
     tokens_recomputed: int = 0
+    prefill_failures: int = 0  # requests finished because their own prefill raised
+    adapter_updates_received: int = 0
+    adapter_updates_applied: int = 0
 
 
 class BuiltinEngine:
-    """Continuous-batching engine on CPU over a Hugging Face causal LM (weights copied).
+    """Continuous-batching engine over a Hugging Face causal LM (weights copied onto `config.device`), with
+    a LoRA adapter per request.
 
     Stops only where asked: add the EOS id to `SamplingParams.stop_token_ids` to stop at EOS.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, config: BuiltinEngineConfig | None = None) -> None:
         self.config = config or BuiltinEngineConfig()
+        self._device = resolve_device(self.config.device, key="engine.device")
         self._dtype = torch.float32 if self.config.dtype == "float32" else torch.bfloat16
         self._param_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        self._runner: ModelRunner[Any] = build_runner(
-            model, self.config.runner, self._dtype, self.config.max_batch_size, self.config.max_seq_len_tokens
+        self._runner: ModelRunner[Any, Any] = build_runner(
+            model,
+            self.config.runner,
+            self._dtype,
+            self.config.max_batch_size,
+            self.config.max_seq_len_tokens,
+            self._device,
         )
         self._tokenizer = tokenizer
-        self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._generator = torch.Generator(self._device).manual_seed(self.config.seed)
         self._version = 0
         self._running: list[_Sequence] = []  # index = cache row; rows 0..n-1 are exactly the active ones
         # Shared with other threads, under _lock:
         self._lock = threading.Lock()
-        self._waiting: deque[SampleRequest] = deque()
+        self._adapters: dict[
+            str, _Adapter
+        ] = {}  # registered by name; removed ones live on in their sequences
+        self._waiting: deque[tuple[SampleRequest, _Adapter | None]] = deque()
         self._in_flight: set[str] = set()  # request ids waiting or running
         self._aborts: set[str] = set()
         self._pending: tuple[int, Any, float] | None = None  # version, runner's weight snapshot, copy seconds
@@ -161,13 +200,51 @@ class BuiltinEngine:
         """The forward pass in use: "fast" (the engine's own) or "hf" (the model's Hugging Face forward)."""
         return self._runner.name
 
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def adapters(self) -> dict[str, int]:
+        """Registered adapter name -> the version new requests get (a pending replacement's, if any)."""
+        with self._lock:
+            return {n: (a.pending[0] if a.pending else a.version) for n, a in self._adapters.items()}
+
     def add_request(self, request: SampleRequest) -> None:
         self._validate(request)
         with self._lock:
             if request.request_id in self._in_flight:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            adapter = self._lookup_adapter(request)  # again under the lock: a removal may have come between
             self._in_flight.add(request.request_id)
-            self._waiting.append(request)
+            self._waiting.append((request, adapter))
+
+    def set_adapter(self, update: AdapterUpdate) -> None:
+        """Register the adapter `update.name`, or replace its weights. Validated and copied now, in the
+        caller's thread (ValueError naming the module at fault); a new name serves requests at once, a
+        replacement is installed between two decode steps, and the requests in flight on it continue on
+        the new weights from that step on, their tokens stamped with `update.version`. Latest call wins."""
+        modules = parse_adapter(update, self._runner.lora_shapes)
+        with torch.inference_mode():
+            weights = self._runner.snapshot_adapter(modules, update.scale)
+        with self._lock:
+            self._counters.adapter_updates_received += 1
+            adapter = self._adapters.get(update.name)
+            if adapter is None:  # no sequence holds it yet, so it may take effect mid-step
+                self._adapters[update.name] = _Adapter(update.name, update.version, weights)
+            else:
+                adapter.pending = (update.version, weights)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unregister `name`: requests naming it are refused from now on (ValueError); requests already
+        added with it, waiting or running, finish on the weights it had when removed (a replacement still
+        pending is dropped). ValueError if no adapter has that name."""
+        with self._lock:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
+                raise ValueError(
+                    f"remove_adapter: no adapter named {name!r} (registered: {sorted(self._adapters)})"
+                )
+            adapter.pending = None
 
     def abort(self, request_id: str) -> None:
         """Finish the request at the next step with reason "abort" (ignored if it is no longer in flight)."""
@@ -191,6 +268,7 @@ class BuiltinEngine:
                 runner=self._runner.name,
                 num_running=len(self._running),
                 num_waiting=len(self._waiting),
+                adapters_registered=len(self._adapters),
                 recent_updates=tuple(self._recent_updates),
                 **asdict(self._counters),
             )
@@ -227,53 +305,90 @@ class BuiltinEngine:
         start = time.perf_counter()
         finished, num_new = self._schedule()
         if self._running:
-            token_ids, logprobs = self._execute(num_new)
-            finished += self._update(token_ids, logprobs)
+            token_ids, logprobs, failed = self._execute(num_new)
+            finished += failed
+            if self._running:
+                finished += self._update(token_ids, logprobs)
         if self._running or finished:
             with self._lock:
                 self._counters.busy_s += time.perf_counter() - start
         return finished
 
     @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """[T] log p(token_t | tokens_<t) at temperature 1, current weights; [0] is NaN (no prefix)."""
-        self._validate(SampleRequest(prompt_token_ids=token_ids), room_for_completion=False)
-        logprobs = torch.log_softmax(self._runner.full_logits(token_ids)[:-1], dim=-1)
-        targets = torch.tensor(token_ids[1:], dtype=torch.long)[:, None]
-        return [math.nan, *logprobs.gather(1, targets).squeeze(1).tolist()]
+    def prompt_logprobs(self, token_ids: list[int], adapter: str | None = None) -> list[float]:
+        """[T] log p(token_t | tokens_<t) at temperature 1, current weights (and `adapter`'s); [0] is NaN."""
+        request = SampleRequest(prompt_token_ids=token_ids, adapter=adapter)
+        self._validate(request, room_for_completion=False)
+        with self._lock:
+            entry = self._lookup_adapter(request)
+        logits = self._runner.full_logits(token_ids, None if entry is None else entry.weights)
+        return _prompt_logprobs(token_ids, logits, 0)[0]
+
+    def _lookup_adapter(self, request: SampleRequest) -> _Adapter | None:
+        """The adapter a request names (None: the base weights); the caller holds the lock."""
+        if request.adapter is None:
+            return None
+        adapter = self._adapters.get(request.adapter)
+        if adapter is None:
+            raise ValueError(
+                f"request {request.request_id}: no adapter named {request.adapter!r} is registered "
+                f"(registered: {sorted(self._adapters)}); register it with "
+                "set_adapter(AdapterUpdate(name=..., ...)) first, or leave adapter=None for the base model"
+            )
+        return adapter
 
     def _schedule(self) -> tuple[list[Completion], int]:
-        """Apply aborts and a pending update, then admit waiting requests into free rows (appended last)."""
+        """Apply aborts and pending updates, then admit waiting requests into free rows (appended last)."""
         with self._lock:
             pending, self._pending = self._pending, None
+            adapter_updates = [(a, a.pending) for a in self._adapters.values() if a.pending is not None]
+            for adapter, _ in adapter_updates:
+                adapter.pending = None
             aborts, self._aborts = self._aborts, set()
-            aborted = [r for r in self._waiting if r.request_id in aborts]
-            for request in aborted:
-                self._waiting.remove(request)
+            aborted = [w for w in self._waiting if w[0].request_id in aborts]
+            for waiting in aborted:
+                self._waiting.remove(waiting)
             free = self.config.max_batch_size - len(self._running)
             admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        finished = [self._finish(_Sequence(r, None), "abort") for r in aborted]
+        finished = [self._finish(_Sequence(r, None), "abort") for r, _ in aborted]
         for request_id in aborts:
             row = next((i for i, s in enumerate(self._running) if s.request.request_id == request_id), None)
             if row is not None:
                 finished.append(self._free_row(row, "abort"))
+        # After the aborts: their rows need no recompute.
+        changed: set[_Adapter] = set()
+        for adapter, (version, weights) in adapter_updates:
+            adapter.version, adapter.weights = version, weights
+            changed.add(adapter)
+        if changed:
+            with self._lock:
+                self._counters.adapter_updates_applied += len(changed)
         if pending is not None:
-            self._install(*pending)  # after the aborts: their rows need no recompute
-        for request in admitted:
+            self._install(*pending)
+        elif changed and self.config.kv_policy == "recompute":
+            self._recompute_cache([i for i, s in enumerate(self._running) if s.adapter in changed])
+        for request, entry in admitted:
             seed = request.params.seed
-            generator = None if seed is None else torch.Generator().manual_seed(seed)
-            self._running.append(_Sequence(request, generator, kv_version=self._version))
+            generator = None if seed is None else torch.Generator(self._device).manual_seed(seed)
+            sequence = _Sequence(request, generator, entry)
+            sequence.kv_version = self._weights_version(sequence)
+            self._running.append(sequence)
         return finished, len(admitted)
+
+    def _weights_version(self, seq: _Sequence) -> int:
+        """The version a sequence's tokens are stamped with now: its adapter's, else the base weights'.
+        (LoRA training keeps the base frozen, so an adapter's version is its policy version.)"""
+        return self._version if seq.adapter is None else seq.adapter.version
 
     def _install(self, version: int, weights: Any, copy_s: float) -> None:
         """Swap weights between two decode steps (a step never mixes two versions), then apply the KV
-        policy to the sequences in flight."""
+        policy to the sequences in flight (with "recompute", all of them: the base changed under each)."""
         start = time.perf_counter()
         self._runner.install(weights)
         self._version = version
         recomputed = 0
         if self.config.kv_policy == "recompute" and self._running:
-            recomputed = self._recompute_cache()
+            recomputed = self._recompute_cache(list(range(len(self._running))))
         pause_s = time.perf_counter() - start
         record = UpdateRecord(version, pause_s, copy_s, len(self._running) if recomputed else 0, recomputed)
         with self._lock:
@@ -285,58 +400,117 @@ class BuiltinEngine:
             c.tokens_recomputed += recomputed
             self._recent_updates.append(record)
 
-    def _recompute_cache(self) -> int:
-        """Re-prefill every running row's cached prefix with the current weights; returns positions redone.
+    def _recompute_cache(self, rows: list[int]) -> int:
+        """Re-prefill these running rows' cached prefixes with the current weights; returns positions redone.
 
         A row caches prompt + generated tokens except the newest one (decode feeds that one next step).
         """
-        prefixes = [(s.request.prompt_token_ids + s.token_ids)[: s.num_cached] for s in self._running]
-        row0 = 0
-        while row0 < len(prefixes):
+        prefixes = {
+            r: (s.request.prompt_token_ids + s.token_ids)[: s.num_cached] for r, s in self._enumerate(rows)
+        }
+        i = 0
+        while i < len(rows):
             # Consecutive rows while the padded chunk (rows x longest prefix) fits the token budget.
-            row1, longest = row0 + 1, len(prefixes[row0])
-            while row1 < len(prefixes):
-                longest_next = max(longest, len(prefixes[row1]))
-                if (row1 + 1 - row0) * longest_next > self.config.recompute_chunk_tokens:
+            j, longest = i + 1, len(prefixes[rows[i]])
+            while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                longest_next = max(longest, len(prefixes[rows[j]]))
+                if (j + 1 - i) * longest_next > self.config.recompute_chunk_tokens:
                     break
-                row1, longest = row1 + 1, longest_next
-            self._runner.fill_cache(prefixes[row0:row1], row0=row0)
-            row0 = row1
-        for seq in self._running:
-            seq.kv_version = self._version
-        return sum(len(p) for p in prefixes)
+                j, longest = j + 1, longest_next
+            chunk = rows[i:j]
+            self._runner.fill_cache(
+                [prefixes[r] for r in chunk],
+                row0=chunk[0],
+                adapters=[self._adapter_weights(r) for r in chunk],
+            )
+            i = j
+        for _, seq in self._enumerate(rows):
+            seq.kv_version = self._weights_version(seq)
+        return sum(len(p) for p in prefixes.values())
 
-    def _execute(self, num_new: int) -> tuple[Tensor, Tensor]:
-        """Decode one token for rows admitted earlier, prefill the newcomers, sample for all rows."""
+    def _enumerate(self, rows: list[int]) -> list[tuple[int, _Sequence]]:
+        return [(r, self._running[r]) for r in rows]
+
+    def _adapter_weights(self, row: int) -> Any:
+        adapter = self._running[row].adapter
+        return None if adapter is None else adapter.weights
+
+    def _execute(self, num_new: int) -> tuple[Tensor, Tensor, list[Completion]]:
+        """Decode one token for rows admitted earlier, prefill the newcomers (their prompt logprobs from the
+        same pass), sample for all rows. Newcomers whose own prefill fails are finished with the error
+        (returned third) and leave their rows; the others go on as if they had been alone."""
         num_old = len(self._running) - num_new
-        old, new = self._running[:num_old], self._running[num_old:]
-        logits = []
+        old = self._running[:num_old]
+        adapters = [self._adapter_weights(row) for row in range(len(self._running))]
+        rows: list[Tensor] = []  # [V] logits per row, in row order
         if old:
-            tokens = torch.tensor([s.token_ids[-1] for s in old])
-            positions = torch.tensor([s.num_cached for s in old])
-            logits.append(self._runner.decode(tokens, positions))
+            tokens = [s.token_ids[-1] for s in old]
+            positions = [s.num_cached for s in old]
+            rows.extend(self._runner.decode(tokens, positions, adapters[:num_old]))
             for s in old:
                 s.num_cached += 1
-        if new:
-            logits.append(self._runner.prefill([s.request.prompt_token_ids for s in new], row0=num_old))
-            for s in new:
-                s.num_cached = len(s.request.prompt_token_ids)
-        return sample(
-            torch.cat(logits) if len(logits) > 1 else logits[0],
+        failed: list[tuple[int, str]] = []
+        if num_new:
+            try:
+                rows.extend(self._prefill(num_old, len(self._running), adapters))
+            except Exception as exc:  # fault boundary: retried one by one, so only its cause fails
+                if num_new == 1:
+                    failed.append((num_old, _describe(exc)))
+                    rows.append(torch.empty(0))  # a placeholder, removed with its row below
+                else:
+                    for row in range(num_old, len(self._running)):
+                        try:
+                            rows.extend(self._prefill(row, row + 1, adapters))
+                        except Exception as one:
+                            failed.append((row, _describe(one)))
+                            rows.append(torch.empty(0))
+        finished = []
+        for row, error in reversed(failed):  # highest first: the moved last row is never a failed one
+            log.warning("request %s failed in prefill: %s", self._running[row].request.request_id, error)
+            last = len(self._running) - 1
+            rows[row] = rows[last]
+            rows.pop()
+            finished.append(self._free_row(row, "abort", error=error))
+        with self._lock:
+            self._counters.prefill_failures += len(failed)
+        if not self._running:
+            return torch.empty(0), torch.empty(0), finished
+        token_ids, logprobs = sample(
+            torch.stack(rows),
             [s.request.params for s in self._running],
             [s.generator for s in self._running],
             self._generator,
         )
+        return token_ids, logprobs, finished
+
+    def _prefill(self, row0: int, row1: int, adapters: list[Any]) -> list[Tensor]:
+        """Prefill the newcomers in rows row0..row1-1; their last-position logits, one [V] per row."""
+        new = self._running[row0:row1]
+        wanted = [i for i, s in enumerate(new) if s.request.prompt_logprobs or s.request.topk_prompt_logprobs]
+        last, full = self._runner.prefill(
+            [s.request.prompt_token_ids for s in new], row0, adapters[row0:row1], wanted
+        )
+        for i, s in enumerate(new):
+            s.num_cached = len(s.request.prompt_token_ids)
+            if i in full:
+                prompt, k = s.request.prompt_token_ids, s.request.topk_prompt_logprobs
+                lps, topk = _prompt_logprobs(prompt, full[i], k)
+                s.prompt_logprobs = lps if s.request.prompt_logprobs else None
+                s.topk_prompt_logprobs = topk if s.request.topk_prompt_logprobs else None
+        return list(last)
 
     def _update(self, token_ids: Tensor, logprobs: Tensor) -> list[Completion]:
         finishing: list[tuple[int, FinishReason]] = []
         stale = 0
-        rows = zip(self._running, token_ids.tolist(), logprobs.tolist(), strict=True)
+        # The step's one copy to the host: tokens (exact in float64) and logprobs together.
+        host_tokens, host_logprobs = torch.stack((token_ids.double(), logprobs.double())).tolist()
+        rows = zip(self._running, host_tokens, host_logprobs, strict=True)
         for row, (seq, token, logprob) in enumerate(rows):
-            seq.token_ids.append(token)
+            version = self._weights_version(seq)
+            seq.token_ids.append(int(token))
             seq.logprobs.append(logprob)
-            seq.versions.append(self._version)
-            stale += seq.kv_version < self._version
+            seq.versions.append(version)
+            stale += seq.kv_version < version
             reason = self._stop_reason(seq)
             if reason is not None:
                 finishing.append((row, reason))
@@ -371,7 +545,7 @@ class BuiltinEngine:
             seq.stop_text = text[: min(hits)]
         return bool(hits)
 
-    def _free_row(self, row: int, reason: FinishReason) -> Completion:
+    def _free_row(self, row: int, reason: FinishReason, error: str | None = None) -> Completion:
         """Finish the sequence in `row` and keep rows contiguous by moving the last active row into it."""
         seq, last = self._running[row], len(self._running) - 1
         if row != last:
@@ -379,9 +553,9 @@ class BuiltinEngine:
             self._runner.move_row(last, row, moved.num_cached)
             self._running[row] = moved
         self._running.pop()
-        return self._finish(seq, reason)
+        return self._finish(seq, reason, error)
 
-    def _finish(self, seq: _Sequence, reason: FinishReason) -> Completion:
+    def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> Completion:
         with self._lock:
             self._in_flight.discard(seq.request.request_id)
         text = seq.stop_text
@@ -395,6 +569,9 @@ class BuiltinEngine:
             versions=seq.versions,
             finish_reason=reason,
             text=text,
+            prompt_logprobs=seq.prompt_logprobs,
+            topk_prompt_logprobs=seq.topk_prompt_logprobs,
+            error=error,
         )
 
     def _validate(self, request: SampleRequest, room_for_completion: bool = True) -> None:
@@ -415,6 +592,17 @@ class BuiltinEngine:
             raise ValueError(
                 f"request {rid}: stop strings need a tokenizer: BuiltinEngine(model, tokenizer=...)"
             )
+        if request.params.logprobs_kind not in ("sampled", "raw"):
+            raise ValueError(
+                f"request {rid}: logprobs_kind must be 'sampled' or 'raw', "
+                f"got {request.params.logprobs_kind!r}"
+            )
+        if request.topk_prompt_logprobs < 0:
+            raise ValueError(
+                f"request {rid}: topk_prompt_logprobs must be >= 0, got {request.topk_prompt_logprobs}"
+            )
+        with self._lock:
+            self._lookup_adapter(request)
 
     def _check_names(self, update: WeightUpdate) -> None:
         given, expected = set(update.state_dict), set(self._param_shapes)
@@ -431,3 +619,23 @@ class BuiltinEngine:
         ]
         if wrong:
             raise ValueError(f"WeightUpdate v{update.version}: wrong shapes: {wrong}")
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+
+
+def _prompt_logprobs(
+    prompt: list[int], logits: Tensor, top_k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """From logits [P, V] over the prompt: ([P] log p(prompt_t | prompt_<t), NaN first; [P] the top_k
+    (id, logprob) per position, most likely first, [] first), at temperature 1."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # predictions for prompt[1:]
+    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)[:, None]
+    values = [math.nan, *logprobs.gather(1, targets).squeeze(1).tolist()]
+    topk: list[list[tuple[int, float]]] = [[]]
+    k = min(top_k, logprobs.shape[-1])
+    if k > 0 and len(prompt) > 1:
+        best, ids = logprobs.topk(k, dim=-1)
+        topk += [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), best.tolist(), strict=True)]
+    return values, topk

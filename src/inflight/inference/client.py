@@ -1,17 +1,21 @@
-"""Async clients of `inflight serve-engine`: `EngineClient` for one replica, `BalancedClient` across replicas.
+"""Clients of `inflight serve-engine`: `EngineClient` for one replica and `BalancedClient` across replicas
+(async), and `HttpEngine`, the Engine protocol (`engine.py`) over them for synchronous callers.
 
 BalancedClient sends each call to the healthy replica with the fewest outstanding requests and checks every
 replica's /health periodically. A replica that fails (connection error, timeout, 5xx, failed health check)
 is marked down and the call is retried on another replica; a replica found hung by the health check has
 its calls in flight moved too. Every retry, failure and recovery is counted in `metrics()`. A 4xx answer
-is the request's fault, not the replica's: it raises EngineRequestError at once.
+is the request's fault, not the replica's: it raises EngineRequestError at once. Weights and adapters go
+to every replica, and the health check brings a replica that was away up to date (the last weights, every
+adapter set and not removed since) before it takes requests again, so all replicas serve the same model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,14 +25,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from inflight.inference.openai_api import ChatCompletionResponse
 from inflight.inference.wire import (
     VERSION_HEADER,
+    AdaptersResponse,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
     MetricsResponse,
+    RemoveAdapterRequest,
+    RemoveAdapterResponse,
+    SetAdapterRawParams,
+    SetAdapterRequest,
+    SetAdapterResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from inflight.types import Completion, SamplingParams
+from inflight.types import AdapterUpdate, Completion, SampleRequest, SamplingParams, WeightUpdate
 
 T = TypeVar("T")
 Model = TypeVar("Model", bound=BaseModel)
@@ -36,6 +46,10 @@ Model = TypeVar("Model", bound=BaseModel)
 
 class EngineRequestError(ValueError):
     """The server rejected the request (HTTP 4xx); its message says why. Retrying elsewhere will not help."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ReplicaError(RuntimeError):
@@ -76,18 +90,21 @@ class EngineClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Completion:
-        body = GenerateRequest.from_params(prompt_token_ids, params, request_id).model_dump(mode="json")
+    async def generate(self, request: SampleRequest) -> Completion:
+        """One request through /generate: its adapter, logprob kind and prompt logprobs included."""
+        body = GenerateRequest.from_request(request).model_dump(mode="json")
         reply = await self._send(
             "POST", "/generate", GenerateResponse, self.config.request_timeout_s, json=body
         )
-        return reply.to_completion(prompt_token_ids)
+        return reply.to_completion(request.prompt_token_ids)
 
-    async def chat(self, messages: Sequence[dict[str, Any]], params: SamplingParams) -> Completion:
-        """One assistant turn through /v1/chat/completions, with the exact prompt and generated token ids."""
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], params: SamplingParams, adapter: str | None = None
+    ) -> Completion:
+        """One assistant turn through /v1/chat/completions, with the exact prompt and generated token ids;
+        `adapter` goes in OpenAI's `model` field."""
         body = {
+            "model": adapter,
             "messages": list(messages),
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -131,6 +148,36 @@ class EngineClient:
             "POST", "/update_weights_raw", UpdateWeightsResponse, timeout_s, content=data, headers=headers
         )
 
+    async def adapters(self) -> dict[str, int]:
+        reply = await self._send("GET", "/adapters", AdaptersResponse, self.config.health_timeout_s)
+        return reply.adapters
+
+    async def set_adapter(self, name: str, path: str, version: int) -> SetAdapterResponse:
+        """Register or replace adapter `name` from a PEFT adapter directory the server can read."""
+        body = SetAdapterRequest(name=name, path=path, version=version).model_dump()
+        timeout_s = self.config.update_timeout_s
+        return await self._send("POST", "/set_adapter", SetAdapterResponse, timeout_s, json=body)
+
+    async def set_adapter_raw(self, data: bytes, params: SetAdapterRawParams) -> SetAdapterResponse:
+        """Send adapter_model.safetensors bytes in the body (no shared filesystem needed)."""
+        headers = {"content-type": "application/octet-stream"}
+        query = {k: str(v) for k, v in params.model_dump().items()}
+        timeout_s = self.config.update_timeout_s
+        return await self._send(
+            "POST",
+            "/set_adapter_raw",
+            SetAdapterResponse,
+            timeout_s,
+            content=data,
+            headers=headers,
+            params=query,
+        )
+
+    async def remove_adapter(self, name: str) -> RemoveAdapterResponse:
+        body = RemoveAdapterRequest(name=name).model_dump()
+        timeout_s = self.config.update_timeout_s
+        return await self._send("POST", "/remove_adapter", RemoveAdapterResponse, timeout_s, json=body)
+
     async def _send(self, method: str, path: str, reply: type[Model], timeout_s: float, **kw: Any) -> Model:
         where = f"{method} {self.url}{path}"
         timeout = httpx.Timeout(timeout_s, connect=min(self.config.connect_timeout_s, timeout_s))
@@ -140,9 +187,11 @@ class EngineClient:
             raise ReplicaError(f"{where}: no answer within {timeout_s:.0f} s ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:
             raise ReplicaError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 500:
+            raise ReplicaError(f"{where}: HTTP {response.status_code}: {_error_message(response)}")
         if response.status_code >= 400:
-            error = ReplicaError if response.status_code >= 500 else EngineRequestError
-            raise error(f"{where}: HTTP {response.status_code}: {_error_message(response)}")
+            message = f"{where}: HTTP {response.status_code}: {_error_message(response)}"
+            raise EngineRequestError(message, response.status_code)
         try:
             return reply.model_validate_json(response.content)
         except ValidationError as exc:
@@ -190,6 +239,10 @@ class BalancedClientMetrics:
     replicas: tuple[ReplicaState, ...]
 
 
+# How to bring one replica to a desired state: the call that installs it there (replayed on recovery).
+_Install = Callable[[EngineClient], Awaitable[Any]]
+
+
 class BalancedClient:
     """Least-outstanding-requests balancing with failover; use as `async with BalancedClient(urls) as c`."""
 
@@ -199,8 +252,11 @@ class BalancedClient:
         self.config = config or ClientConfig()
         self._replicas = [_Replica(EngineClient(url, self.config)) for url in urls]
         self._health_task: asyncio.Task[None] | None = None
-        self._last_update: tuple[str, int] | None = None  # (path, version) replayed to recovering replicas
-        self._broadcasting = 0  # update_weights calls in progress
+        # What every replica must serve, replayed to a replica that comes back (see _check):
+        self._weights: tuple[int, _Install] | None = None  # the last weight update: version, install
+        self._adapters: dict[str, tuple[int, _Install]] = {}  # set and not removed since
+        self._removed: set[str] = set()  # removed since they were set: removed again where still present
+        self._broadcasting = 0  # weight or adapter broadcasts in progress
         self._calls = self._retries = self._failures = self._health_failures = self._recoveries = 0
 
     async def __aenter__(self) -> BalancedClient:
@@ -224,40 +280,62 @@ class BalancedClient:
         for replica in self._replicas:
             await replica.client.aclose()
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Completion:
-        return await self._call(lambda c: c.generate(prompt_token_ids, params, request_id), "generate")
+    async def generate(self, request: SampleRequest) -> Completion:
+        # A replica that does not know an adapter this client set was away (restarted unseen, say): its
+        # fault, not the request's. It is marked down, so the health check syncs it, and the call moves.
+        def out_of_sync(exc: EngineRequestError) -> bool:
+            return exc.status == 404 and request.adapter in self._adapters
 
-    async def chat(self, messages: Sequence[dict[str, Any]], params: SamplingParams) -> Completion:
-        return await self._call(lambda c: c.chat(messages, params), "chat")
+        return await self._call(lambda c: c.generate(request), "generate", out_of_sync)
+
+    async def chat(
+        self, messages: Sequence[dict[str, Any]], params: SamplingParams, adapter: str | None = None
+    ) -> Completion:
+        return await self._call(lambda c: c.chat(messages, params, adapter), "chat")
 
     async def update_weights(self, path: str, version: int) -> dict[str, int]:
-        """Install on every healthy replica at once; returns url -> version live there. A replica that is
-        down now receives this update when it passes a health check again."""
-        await self.start()
-        self._last_update = (path, version)
-        targets = [r for r in self._replicas if r.healthy]
-        self._broadcasting += 1
-        try:
-            results = await asyncio.gather(
-                *(r.client.update_weights(path, version) for r in targets), return_exceptions=True
-            )
-        finally:
-            self._broadcasting -= 1
-        live: dict[str, int] = {}
-        for replica, result in zip(targets, results, strict=True):
-            if isinstance(result, EngineRequestError):
-                raise result  # the file or version is wrong for every replica alike
-            if isinstance(result, BaseException):
-                self._mark_down(replica, str(result), cancel_calls=False)
-            else:
-                live[replica.client.url] = result.version
-        if not live:
-            raise NoReplicaAvailableError(
-                f"update_weights(version {version}): no replica installed it; {self._describe()}"
-            )
-        return live
+        """Install a safetensors file on every healthy replica at once; returns url -> version live there.
+        A replica that is down now receives this update when it passes a health check again."""
+        return await self._update_weights(lambda c: c.update_weights(path, version), version)
+
+    async def update_weights_raw(self, data: bytes, version: int) -> dict[str, int]:
+        """As update_weights, with the safetensors bytes in the body (kept here for replicas that recover)."""
+        return await self._update_weights(lambda c: c.update_weights_raw(data, version), version)
+
+    async def set_adapter(self, name: str, path: str, version: int) -> dict[str, int]:
+        """Register or replace adapter `name` (a PEFT directory every replica can read) on every healthy
+        replica; returns url -> the adapter's version there. A replica down now gets it on recovery."""
+        return await self._set_adapter(name, version, lambda c: c.set_adapter(name, path, version))
+
+    async def set_adapter_raw(self, update: AdapterUpdate) -> dict[str, int]:
+        """As set_adapter, with the tensors in the body (kept here for replicas that recover)."""
+        data = adapter_bytes(update)
+        params = SetAdapterRawParams(
+            name=update.name, version=update.version, rank=update.rank, scale=update.scale
+        )
+        return await self._set_adapter(update.name, update.version, lambda c: c.set_adapter_raw(data, params))
+
+    async def remove_adapter(self, name: str) -> list[str]:
+        """Remove adapter `name` from every healthy replica (and from a recovering one when it is back);
+        returns the urls that had it. EngineRequestError when no replica had it."""
+
+        async def remove(client: EngineClient) -> bool:
+            try:
+                await client.remove_adapter(name)
+            except EngineRequestError as exc:
+                if exc.status != 404:
+                    raise
+                return False  # already absent there (e.g. a replica restarted since)
+            return True
+
+        self._adapters.pop(name, None)
+        self._removed.add(name)
+        removed = [
+            url for url, had in (await self._broadcast(remove, f"remove_adapter({name!r})")).items() if had
+        ]
+        if not removed:
+            raise EngineRequestError(f"remove_adapter: no replica has an adapter named {name!r}", 404)
+        return removed
 
     async def versions(self) -> dict[str, int | None]:
         """url -> policy version from a fresh health check (None where the replica is down)."""
@@ -277,7 +355,50 @@ class BalancedClient:
     async def check_health(self) -> None:
         await asyncio.gather(*(self._check(r) for r in self._replicas))
 
-    async def _call(self, send: Callable[[EngineClient], Awaitable[T]], what: str) -> T:
+    async def _update_weights(
+        self, install: Callable[[EngineClient], Awaitable[UpdateWeightsResponse]], version: int
+    ) -> dict[str, int]:
+        self._weights = (version, install)
+        live = await self._broadcast(install, f"update_weights(version {version})")
+        return {url: reply.version for url, reply in live.items()}
+
+    async def _set_adapter(
+        self, name: str, version: int, install: Callable[[EngineClient], Awaitable[SetAdapterResponse]]
+    ) -> dict[str, int]:
+        live = await self._broadcast(install, f"set_adapter({name!r}, version {version})")
+        # Recorded once accepted: an adapter every replica refused (4xx) is not replayed to anyone.
+        self._adapters[name] = (version, install)
+        self._removed.discard(name)
+        return {url: reply.version for url, reply in live.items()}
+
+    async def _broadcast(self, send: Callable[[EngineClient], Awaitable[T]], what: str) -> dict[str, T]:
+        """`send` to every healthy replica at once; url -> its answer. A 4xx raises (the input is wrong for
+        every replica alike); a replica that fails otherwise is marked down, to be synced on recovery."""
+        await self.start()
+        targets = [r for r in self._replicas if r.healthy]
+        self._broadcasting += 1
+        try:
+            results = await asyncio.gather(*(send(r.client) for r in targets), return_exceptions=True)
+        finally:
+            self._broadcasting -= 1
+        live: dict[str, T] = {}
+        for replica, result in zip(targets, results, strict=True):
+            if isinstance(result, EngineRequestError):
+                raise result
+            if isinstance(result, BaseException):
+                self._mark_down(replica, str(result), cancel_calls=False)
+            else:
+                live[replica.client.url] = result
+        if not live:
+            raise NoReplicaAvailableError(f"{what}: no replica installed it; {self._describe()}")
+        return live
+
+    async def _call(
+        self,
+        send: Callable[[EngineClient], Awaitable[T]],
+        what: str,
+        replica_fault: Callable[[EngineRequestError], bool] | None = None,
+    ) -> T:
         await self.start()
         tried: set[str] = set()
         last_error = "none tried"
@@ -303,6 +424,12 @@ class BalancedClient:
                 last_error = str(exc)
                 self._mark_down(replica, last_error, cancel_calls=False)
                 continue
+            except EngineRequestError as exc:
+                if replica_fault is None or not replica_fault(exc):
+                    raise
+                last_error = str(exc)
+                self._mark_down(replica, f"out of sync: {exc}", cancel_calls=False)
+                continue
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
@@ -327,11 +454,9 @@ class BalancedClient:
             health = await replica.client.health()
             if health.status != "ok":
                 raise ReplicaError(f"{replica.client.url}: unhealthy: {health.error}")
-            update = self._last_update
-            if update is not None and health.version < update[1] and not self._broadcasting:
-                # Back from an outage (or restarted unseen) with older weights: bring it up to date before
-                # it takes requests. Skipped while a broadcast is on its way to it anyway.
-                health.version = (await replica.client.update_weights(*update)).version
+            # Skipped while a broadcast is on its way to the replica anyway.
+            if not self._broadcasting:
+                health.version = await self._sync(replica.client, health)
         except (ReplicaError, EngineRequestError) as exc:
             if replica.healthy:
                 self._health_failures += 1
@@ -341,6 +466,20 @@ class BalancedClient:
         if not replica.healthy:
             replica.healthy, replica.last_error = True, None
             self._recoveries += 1
+
+    async def _sync(self, client: EngineClient, health: HealthResponse) -> int:
+        """Bring a replica back from an outage (or restarted unseen) up to date before it takes requests:
+        the last weights if it has older ones, every adapter it lacks or has older, no adapter removed
+        since. Returns its weight version now."""
+        version = health.version
+        if self._weights is not None and version < self._weights[0]:
+            version = (await self._weights[1](client)).version
+        for name, (adapter_version, install) in list(self._adapters.items()):
+            if health.adapters.get(name, -1) < adapter_version:
+                await install(client)
+        for name in self._removed & set(health.adapters):
+            await client.remove_adapter(name)
+        return version
 
     def _mark_down(self, replica: _Replica, reason: str, cancel_calls: bool) -> None:
         replica.last_error = reason
@@ -362,3 +501,82 @@ class BalancedClient:
             f"{r.client.url} ({'up' if r.healthy else f'down: {r.last_error}'})" for r in self._replicas
         ]
         return "replicas: " + ", ".join(states)
+
+
+class HttpEngine:
+    """The Engine protocol over HTTP replicas, for synchronous callers (anything written against
+    `engine.py`, the contract suite): a BalancedClient on an event loop in a thread of its own.
+
+    Weights and adapters travel as request bodies (no shared filesystem) to every replica and are kept
+    here for replicas that recover. One difference from an in-process engine: the requests of one
+    `generate` call go out at once, so a request refused by the server (say, an unknown adapter) raises
+    after the others have started; they are then cancelled, and the server aborts them.
+    """
+
+    def __init__(self, urls: Sequence[str], config: ClientConfig | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="http-engine", daemon=True)
+        self._thread.start()
+        self._client = BalancedClient(urls, config)
+        self._run(self._client.start())
+
+    def __enter__(self) -> HttpEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def version(self) -> int:
+        """The oldest base-weights version among the live replicas (from a fresh health check)."""
+        live = [v for v in self._run(self._client.versions()).values() if v is not None]
+        if not live:
+            raise NoReplicaAvailableError(f"version: no replica is up; {self._client._describe()}")
+        return min(live)
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[Completion]:
+        return self._run(self._generate(requests))
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        self._run(self._client.update_weights_raw(weights_bytes(update.state_dict), update.version))
+
+    def set_adapter(self, update: AdapterUpdate) -> None:
+        self._run(self._client.set_adapter_raw(update))
+
+    def remove_adapter(self, name: str) -> None:
+        self._run(self._client.remove_adapter(name))
+
+    def metrics(self) -> BalancedClientMetrics:
+        return self._client.metrics()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _generate(self, requests: Sequence[SampleRequest]) -> list[Completion]:
+        tasks = [asyncio.ensure_future(self._client.generate(r)) for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # after a failure: the rest would be answered to nobody
+                task.cancel()
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+
+def weights_bytes(state_dict: dict[str, Any]) -> bytes:
+    """A state dict as safetensors bytes. Every tensor is copied: safetensors refuses tensors that share
+    storage (tied embeddings) and non-contiguous ones."""
+    from safetensors.torch import save
+
+    return save({name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()})
+
+
+def adapter_bytes(update: AdapterUpdate) -> bytes:
+    """An adapter's tensors (PEFT names) as the bytes of an adapter_model.safetensors."""
+    return weights_bytes(update.tensors)

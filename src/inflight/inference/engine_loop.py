@@ -16,13 +16,17 @@ import threading
 import time
 from typing import Any
 
-from inflight.types import Completion, SampleRequest, WeightUpdate
+from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate
 
 log = logging.getLogger(__name__)
 
 
 class EngineLoopError(RuntimeError):
     """The loop cannot take requests: it was stopped, or its step failed (the message says why)."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine gave up on this one request (its own prefill failed); the loop goes on serving others."""
 
 
 class EngineLoop:
@@ -110,6 +114,12 @@ class EngineLoop:
         self.engine.update_weights(update)
         self._wake.set()
 
+    def set_adapter(self, update: AdapterUpdate) -> None:
+        """Register or replace a LoRA adapter (checked and copied now); installed between two decode steps."""
+        self._check_open()
+        self.engine.set_adapter(update)
+        self._wake.set()
+
     def metrics(self) -> dict[str, float]:
         """The engine's in-flight update counters since it started (the pipeline logs them every step)."""
         m = self.engine.metrics()
@@ -165,7 +175,9 @@ class EngineLoop:
         for completion in finished:
             with self._lock:
                 future = self._futures.pop(completion.request_id, None)
-            if future is not None:
+            if future is not None and completion.error is not None:
+                _settle(future, error=EngineRequestError(completion.error))
+            elif future is not None:
                 _settle(future, result=completion)
         return True
 

@@ -10,7 +10,7 @@ sampling or versions.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from inflight.inference.adapters import AdapterModules, FusedAdapter, LoraBatch, LoraStacks, SiteParts
 from inflight.inference.runner import ModelRunner
 
 # attend(layer, q [b, t, H, D], k [b, t, KV, D], v [b, t, KV, D]) -> [b * t, H * D]
@@ -155,7 +156,9 @@ class Weights:
     lm_head: Tensor
 
     @classmethod
-    def from_state_dict(cls, sd: dict[str, Tensor], spec: ModelSpec, dtype: torch.dtype) -> Weights:
+    def from_state_dict(
+        cls, sd: dict[str, Tensor], spec: ModelSpec, dtype: torch.dtype, device: torch.device
+    ) -> Weights:
         """Copies (cat/to always allocate), so the caller may keep mutating its own tensors."""
 
         used: set[str] = set()
@@ -164,7 +167,7 @@ class Weights:
             if name not in sd:
                 raise UnsupportedModel(f"no parameter {name!r} (not the Qwen2/Llama layout)")
             used.add(name)
-            return sd[name].detach().to(device="cpu", dtype=dtype, copy=True)  # the engine runs on CPU
+            return sd[name].detach().to(device=device, dtype=dtype, copy=True)
 
         def optional(names: list[str]) -> Tensor | None:  # biases and Qwen3's norms exist in some models
             return torch.cat([get(n) for n in names]) if names[0] in sd else None
@@ -235,8 +238,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     rep = nh // kv
     queries = q.view(b, t, kv, rep, d).transpose(1, 2).reshape(b * kv, t * rep, d)
     keys, values = (x.transpose(1, 2).reshape(b * kv, t, d) for x in (k, v))
-    future = torch.ones(t, t, dtype=torch.bool).triu_(1).repeat_interleave(rep, dim=0)
-    bias = torch.zeros(t * rep, t, dtype=q.dtype).masked_fill_(future, float("-inf"))
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu_(1).repeat_interleave(rep, dim=0)
+    bias = torch.zeros(t * rep, t, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
     scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)  # float32, like HF's eager
     out = torch.bmm(probs, values).view(b, kv, t, rep, d)
@@ -270,13 +273,16 @@ def gate_up_linear(x: Tensor, gate_up: Tensor) -> tuple[Tensor, Tensor]:
     return out[0], out[1]
 
 
-class Qwen2Runner(ModelRunner[Weights]):
-    """Prefill and decode over cache rows; `weights` is replaced wholesale by `install`."""
+class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
+    """Prefill and decode over cache rows; `weights` is replaced wholesale by `install`. LoRA adapters run
+    in the masked-dense form of `adapters.py`, over the fused matmuls (q/k/v, gate/up) as they are."""
 
     name = "fast"
 
-    def __init__(self, spec: ModelSpec, weights: Weights, max_batch_size: int, max_seq_len: int) -> None:
-        self.spec, self.weights, self.max_seq_len = spec, weights, max_seq_len
+    def __init__(
+        self, spec: ModelSpec, weights: Weights, max_batch_size: int, max_seq_len: int, device: torch.device
+    ) -> None:
+        self.spec, self.weights, self.max_seq_len, self.device = spec, weights, max_seq_len, device
         self.dtype = weights.embed.dtype
         self.vocab_size = spec.vocab_size
         # Tied models: HF's state dict lists lm_head.weight too, the embedding under a second name.
@@ -286,54 +292,89 @@ class Qwen2Runner(ModelRunner[Weights]):
         # k_cache[layer][row, position, kv_head]: active sequences occupy rows 0..n-1. Heads innermost, so
         # that a decode step writes a row's new K of all heads as one slot, and a row's keys over a span
         # are one [span * kv heads, D] matrix (see decode).
-        self.k_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
-        # HF's rotary tables, computed once in float32 for every position.
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        # HF's rotary tables, computed once in float32 (on the CPU, as HF does) for every position.
         d = spec.head_dim
         freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * rope_inv_freq(spec)
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
-        self.cos = emb.cos().to(dtype)
-        self.signed_sin = torch.cat((-sin[:, : d // 2], sin[:, d // 2 :]), dim=-1).to(dtype)  # see rotate()
-        self.row_slots = torch.arange(max_batch_size) * max_seq_len  # row starts in a [rows * positions] view
-        self.columns = torch.arange(max_seq_len * spec.num_kv_heads)
+        self.cos = emb.cos().to(device, dtype)
+        self.signed_sin = torch.cat((-sin[:, : d // 2], sin[:, d // 2 :]), dim=-1).to(
+            device, dtype
+        )  # rotate()
+        # Row starts in a [rows * positions] view.
+        self.row_slots = torch.arange(max_batch_size, device=device) * max_seq_len
+        self.columns = torch.arange(max_seq_len * spec.num_kv_heads, device=device)
         # The kv head of each query head (GQA): query head h reads kv head h // (heads per kv head).
-        self.query_group = torch.arange(spec.num_heads) // (spec.num_heads // spec.num_kv_heads)
+        self.query_group = torch.arange(spec.num_heads, device=device) // (
+            spec.num_heads // spec.num_kv_heads
+        )
+        layers = weights.layers
+        self._layout = _lora_layout(spec, intermediate_size=layers[0].down.shape[1] if layers else 0)
+        self.lora_shapes = _lora_shapes(spec, intermediate_size=layers[0].down.shape[1] if layers else 0)
+        self._lora = LoraStacks(list(self._layout), dtype, device)
 
     @classmethod
-    def from_model(cls, model: Any, dtype: torch.dtype, max_batch_size: int, max_seq_len: int) -> Qwen2Runner:
+    def from_model(
+        cls, model: Any, dtype: torch.dtype, max_batch_size: int, max_seq_len: int, device: torch.device
+    ) -> Qwen2Runner:
         """A runner over a copy of an HF model's weights; UnsupportedModel if it is not one of ours."""
         spec = ModelSpec.from_hf_config(model.config, max_seq_len)
         with torch.inference_mode():
-            weights = Weights.from_state_dict(model.state_dict(), spec, dtype)
-            return cls(spec, weights, max_batch_size, max_seq_len)
+            weights = Weights.from_state_dict(model.state_dict(), spec, dtype, device)
+            return cls(spec, weights, max_batch_size, max_seq_len, device)
 
     def snapshot(self, state_dict: dict[str, Tensor]) -> Weights:
-        return Weights.from_state_dict(state_dict, self.spec, self.dtype)
+        return Weights.from_state_dict(state_dict, self.spec, self.dtype, self.device)
 
     def install(self, weights: Weights) -> None:
         self.weights = weights  # one assignment: each pass reads `self.weights` once (see prefill, decode)
 
-    def prefill(self, prompts: list[list[int]], row0: int | None) -> Tensor:
-        """Logits [b, V] (float32) at each prompt's last token; writes KV rows row0.. (None: no cache)."""
-        w = self.weights  # one snapshot for the whole pass
-        h = self._prefill_hidden(w, prompts, row0)
-        last = torch.tensor([len(p) - 1 for p in prompts])
-        return self._logits(w, h.view(len(prompts), -1, h.shape[-1])[torch.arange(len(prompts)), last])
+    def snapshot_adapter(self, modules: AdapterModules, scale: float) -> FusedAdapter:
+        return FusedAdapter.build(modules, scale, self._layout, self.dtype, self.device)
 
-    def fill_cache(self, prefixes: list[list[int]], row0: int) -> None:
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        row0: int | None,
+        adapters: Sequence[FusedAdapter | None],
+        full_rows: Sequence[int] = (),
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """Logits [b, V] (float32) at each prompt's last token and [P, V] of the `full_rows`; writes KV rows
+        row0.. (None: no cache)."""
+        w = self.weights  # one snapshot for the whole pass
+        b, t = len(prompts), max(len(p) for p in prompts)
+        lora = self._lora.batch(adapters)
+        token_lora = None if lora is None else lora.per_token(t)
+        h = self._prefill_hidden(w, prompts, row0, token_lora).view(b, t, -1)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        logits = self._logits(w, h[torch.arange(b, device=self.device), last], lora)
+        full = {}
+        for i in full_rows:
+            n = len(prompts[i])
+            row_lora = None if lora is None else lora.select(lora.mask[i : i + 1].expand(n, -1, -1))
+            full[i] = self._logits(w, h[i, :n], row_lora)
+        return logits, full
+
+    def fill_cache(
+        self, prefixes: list[list[int]], row0: int, adapters: Sequence[FusedAdapter | None]
+    ) -> None:
         """Recompute the K/V of rows row0.. from their token prefixes under the current weights (no logits).
 
         Positions past a row's prefix receive padding K/V; decode masks them and overwrites them in turn.
         """
-        self._prefill_hidden(self.weights, prefixes, row0)
+        t = max(len(p) for p in prefixes)
+        lora = self._lora.batch(adapters)
+        self._prefill_hidden(self.weights, prefixes, row0, None if lora is None else lora.per_token(t))
 
-    def _prefill_hidden(self, w: Weights, prompts: list[list[int]], row0: int | None) -> Tensor:
+    def _prefill_hidden(
+        self, w: Weights, prompts: list[list[int]], row0: int | None, lora: LoraBatch | None
+    ) -> Tensor:
         """Hidden states [b * t, hidden] of right-padded prompts; writes KV rows row0.. (None: no cache)."""
         b, t = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros(b, t, dtype=torch.long)  # right padding: causality alone hides the pad keys
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p)
+        # Right padding: causality alone hides the pad keys.
+        ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], device=self.device)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             if row0 is not None:
@@ -341,31 +382,30 @@ class Qwen2Runner(ModelRunner[Weights]):
                 self.v_cache[layer][row0 : row0 + b, :t] = v
             return causal_attention(q, k, v)
 
-        return self._layers(w, ids, self.cos[:t], self.signed_sin[:t], attend)
+        return self._layers(w, ids, self.cos[:t], self.signed_sin[:t], attend, lora)
 
-    def full_logits(self, token_ids: list[int]) -> Tensor:
+    def full_logits(self, token_ids: list[int], adapter: FusedAdapter | None = None) -> Tensor:
         """Logits [T, V] (float32) at every position of one sequence; the cache is untouched."""
-        t, w = len(token_ids), self.weights
-        ids = torch.tensor([token_ids])
-        return self._logits(
-            w,
-            self._layers(
-                w, ids, self.cos[:t], self.signed_sin[:t], lambda _, q, k, v: causal_attention(q, k, v)
-            ),
-        )
+        _, full = self.prefill([token_ids], None, [adapter], full_rows=[0])
+        return full[0]
 
-    def decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
+    def decode(
+        self, tokens: list[int], positions: list[int], adapters: Sequence[FusedAdapter | None]
+    ) -> Tensor:
         """One token for each of rows 0..n-1 at its own position; returns logits [n, V] (float32)."""
-        n, span = tokens.shape[0], int(positions.max()) + 1
+        n, span = len(tokens), max(positions) + 1  # the span from the host's list: no device sync
         nh, kv, d = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
-        slots = self.row_slots[:n] + positions
+        position = torch.tensor(positions, device=self.device)
+        slots = self.row_slots[:n] + position
         # Each row's query heads attend over the keys of all its kv heads at once: one [H, span * KV] score
         # matrix per row (n batch entries in one bmm, not n * KV tiny ones: the masked columns cost less
         # than per-entry overhead). The bias hides the columns of other kv heads, and positions beyond the
         # row's own (stale or empty cache entries).
         column = self.columns[: span * kv]  # column c holds (position c // KV, kv head c % KV)
-        hidden = (column % kv != self.query_group[:, None]) | (column // kv > positions[:, None, None])
-        bias = torch.zeros(hidden.shape, dtype=self.cos.dtype).masked_fill_(hidden, float("-inf"))
+        hidden = (column % kv != self.query_group[:, None]) | (column // kv > position[:, None, None])
+        bias = torch.zeros(hidden.shape, dtype=self.cos.dtype, device=self.device).masked_fill_(
+            hidden, float("-inf")
+        )
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = self.k_cache[layer], self.v_cache[layer]
@@ -378,34 +418,96 @@ class Qwen2Runner(ModelRunner[Weights]):
             return torch.bmm(probs, vc[:n, :span].view(n, span * kv, d)).view(n, -1)
 
         w = self.weights
-        h = self._layers(w, tokens[:, None], self.cos[positions], self.signed_sin[positions], attend)
-        return self._logits(w, h)
+        lora = self._lora.batch(adapters)
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        h = self._layers(w, ids, self.cos[position], self.signed_sin[position], attend, lora)
+        return self._logits(w, h, lora)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
             kc[dst, :length] = kc[src, :length]
             vc[dst, :length] = vc[src, :length]
 
-    def _layers(self, w: Weights, ids: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+    def _layers(
+        self, w: Weights, ids: Tensor, cos: Tensor, sin: Tensor, attend: Attend, lora: LoraBatch | None
+    ) -> Tensor:
         """Embedding and decoder layers over ids [b, t] -> hidden [b * t, hidden] (2-D, so that residual
-        adds fuse into addmm); cos/sin [t or b, D] broadcast to [b, t, 1, D]."""
+        adds fuse into addmm); cos/sin [t or b, D] broadcast to [b, t, 1, D]. `lora`: one mask row per token.
+        """
         spec = self.spec
         b, t = ids.shape
         nh, nkv, d, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
         cos, sin = cos.view(-1, t, 1, d), sin.view(-1, t, 1, d)
         x = F.embedding(ids.reshape(-1), w.embed)
         for i, lw in enumerate(w.layers):
-            qkv = F.linear(rms_norm(x, lw.input_norm, eps), lw.qkv, lw.qkv_bias).view(b, t, nh + 2 * nkv, d)
+            normed = rms_norm(x, lw.input_norm, eps)
+            qkv_2d = F.linear(normed, lw.qkv, lw.qkv_bias)
+            if lora is not None:
+                lora.add_(qkv_2d, f"{i}.qkv", normed)
+            qkv = qkv_2d.view(b, t, nh + 2 * nkv, d)
             qk, v = qkv.split([nh + nkv, nkv], dim=2)
             if lw.q_norm is not None and lw.k_norm is not None:
                 q, k = qk.split([nh, nkv], dim=2)
                 qk = torch.cat([rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)], dim=2)
             q, k = rotate(qk, cos, sin).split([nh, nkv], dim=2)  # q and k heads rotated in one pass
-            x = add_linear(x, attend(i, q, k, v), lw.o_proj, lw.o_bias)
-            gate, up = gate_up_linear(rms_norm(x, lw.post_norm, eps), lw.gate_up)
+            attended = attend(i, q, k, v)
+            x = add_linear(x, attended, lw.o_proj, lw.o_bias)
+            if lora is not None:
+                lora.add_(x, f"{i}.o", attended)
+            normed = rms_norm(x, lw.post_norm, eps)
+            if lora is None:
+                gate, up = gate_up_linear(normed, lw.gate_up)
+            else:  # one contiguous output for the LoRA to accumulate into (no split matmul, no temporary)
+                gate_up = F.linear(normed, lw.gate_up)
+                lora.add_(gate_up, f"{i}.gate_up", normed)
+                gate, up = gate_up.chunk(2, dim=-1)
             # In place into the gate half: no new activation buffers.
-            x = add_linear(x, F.silu(gate, inplace=True).mul_(up), lw.down, None)
+            activated = F.silu(gate, inplace=True).mul_(up)
+            x = add_linear(x, activated, lw.down, None)
+            if lora is not None:
+                lora.add_(x, f"{i}.down", activated)
         return x
 
-    def _logits(self, w: Weights, h: Tensor) -> Tensor:
-        return F.linear(rms_norm(h, w.norm, self.spec.rms_norm_eps), w.lm_head).float()
+    def _logits(self, w: Weights, h: Tensor, lora: LoraBatch | None) -> Tensor:
+        normed = rms_norm(h, w.norm, self.spec.rms_norm_eps)
+        logits = F.linear(normed, w.lm_head)
+        if lora is not None:
+            lora.add_(logits, "lm_head", normed)
+        return logits.float()
+
+
+def _lora_layout(spec: ModelSpec, intermediate_size: int) -> dict[str, SiteParts]:
+    """The fused matmuls LoRA modules land in: site -> (HF module, first output column, width)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    layout: dict[str, SiteParts] = {}
+    for i in range(spec.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        layout[f"{i}.qkv"] = [
+            (attn + "q_proj", 0, q),
+            (attn + "k_proj", q, kv),
+            (attn + "v_proj", q + kv, kv),
+        ]
+        layout[f"{i}.o"] = [(attn + "o_proj", 0, spec.hidden_size)]
+        layout[f"{i}.gate_up"] = [
+            (mlp + "gate_proj", 0, intermediate_size),
+            (mlp + "up_proj", intermediate_size, intermediate_size),
+        ]
+        layout[f"{i}.down"] = [(mlp + "down_proj", 0, spec.hidden_size)]
+    layout["lm_head"] = [("lm_head", 0, spec.vocab_size)]
+    return layout
+
+
+def _lora_shapes(spec: ModelSpec, intermediate_size: int) -> dict[str, tuple[int, int]]:
+    """HF module name -> (in, out) of every linear layer an adapter may target."""
+    q, kv, hidden = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
+    shapes = {"lm_head": (hidden, spec.vocab_size)}
+    for i in range(spec.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        shapes |= {attn + "q_proj": (hidden, q), attn + "k_proj": (hidden, kv), attn + "v_proj": (hidden, kv)}
+        shapes |= {attn + "o_proj": (q, hidden)}
+        shapes |= {
+            mlp + "gate_proj": (hidden, intermediate_size),
+            mlp + "up_proj": (hidden, intermediate_size),
+        }
+        shapes |= {mlp + "down_proj": (intermediate_size, hidden)}
+    return shapes

@@ -1,19 +1,24 @@
-"""The engine behind HTTP (`inflight serve-engine`): OpenAI-compatible completions and chat, token-in/
-token-out `/generate`, `/health`, `/metrics` and in-flight weight updates.
+"""The engine behind HTTP (`inflight serve-engine`): the whole Engine interface (`engine.py`) as routes,
+plus OpenAI-compatible completions and chat, `/health` and `/metrics`.
 
 One EngineLoop thread steps the engine; handlers only validate, submit and await, so the requests of all
 clients join one running batch. Weight updates are read and copied off that thread and installed by it
 between two decode steps; `/update_weights` answers once the new version generates (not when queued).
-Routes (bodies in `wire.py` and `openai_api.py`):
+Adapters are read and checked off the step thread too; `/set_adapter` answers once every later request
+runs on them. Routes (bodies in `wire.py` and `openai_api.py`):
 
-    GET  /health                 ok + version + load (503 once the step loop has failed)
+    GET  /health                 ok + version + load + adapters (503 once the step loop has failed)
     GET  /metrics                engine counters: update pauses, load/copy seconds, stale-KV tokens, tokens/s
-    GET  /v1/models
-    POST /v1/completions         OpenAI shapes; choices add token_ids / versions / prompt_token_ids
-    POST /v1/chat/completions    the tokenizer's chat template (ChatML when it has none)
-    POST /generate               prompt_token_ids + sampling params -> token_ids, logprobs, versions
+    GET  /v1/models              the base model, and each adapter as a model (vLLM's convention)
+    POST /v1/completions         OpenAI shapes; choices add token_ids / versions / prompt_token_ids;
+    POST /v1/chat/completions    `model` may name an adapter; chat uses the tokenizer's template
+    POST /generate               a SampleRequest's fields -> token_ids, logprobs, versions, prompt logprobs
     POST /update_weights         {"path": file.safetensors, "version": N}
     POST /update_weights_raw     safetensors bytes as the body, version in the X-Weight-Version header
+    GET  /adapters               registered adapter -> version
+    POST /set_adapter            {"name", "path": PEFT adapter directory, "version"}: register or replace
+    POST /set_adapter_raw        adapter_model.safetensors bytes; ?name=&version=&rank=&scale=
+    POST /remove_adapter         {"name"}
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,11 +36,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 
+from inflight.errors import UserError
+from inflight.inference.adapter_files import read_adapter_dir
 from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
-from inflight.inference.engine_loop import EngineLoop, EngineLoopError
+from inflight.inference.engine_loop import EngineLoop, EngineLoopError, EngineRequestError
 from inflight.inference.openai_api import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -48,14 +56,21 @@ from inflight.inference.openai_api import (
 )
 from inflight.inference.wire import (
     VERSION_HEADER,
+    AdaptersResponse,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
     MetricsResponse,
+    RemoveAdapterRequest,
+    RemoveAdapterResponse,
+    SetAdapterRawParams,
+    SetAdapterRequest,
+    SetAdapterResponse,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from inflight.types import Completion, SampleRequest, WeightUpdate, new_id
+from inflight.models.chat_template import end_of_turn, generation_stop_ids, render, reply_stop_ids
+from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate, new_id
 
 
 class EngineServerConfig(BaseModel):
@@ -67,8 +82,9 @@ class EngineServerConfig(BaseModel):
     # How often a waiting handler checks its client is still connected; a client gone has its requests
     # aborted, so their cache rows go back to the batch.
     disconnect_poll_s: float = Field(default=0.5, gt=0)
-    max_update_bytes: int = Field(default=16 * 2**30, ge=1)  # /update_weights_raw body limit
-    weights_dir: str | None = None  # when set, /update_weights only reads files under this directory
+    max_update_bytes: int = Field(default=16 * 2**30, ge=1)  # /update_weights_raw and /set_adapter_raw
+    # When set, /update_weights and /set_adapter only read files under this directory.
+    weights_dir: str | None = None
 
 
 class HTTPError(Exception):
@@ -93,18 +109,35 @@ class _ServerCounters:
 class _EngineService:
     """What the routes call: prompt preparation, submission, waiting, and weight installation."""
 
-    def __init__(self, engine: BuiltinEngine, tokenizer: Any, config: EngineServerConfig) -> None:
+    def __init__(
+        self, engine: BuiltinEngine, tokenizer: Any, config: EngineServerConfig, stop_token_ids: Sequence[int]
+    ) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.loop = EngineLoop(engine)
         self.counters = _ServerCounters()
         self._update_lock = threading.Lock()  # one update submission at a time: each gets its own ticket
-        # Completions stop at EOS and chat also at ChatML's end of turn, unless a request says ignore_eos.
+        # Registered adapter -> version, kept here (not asked of the engine) so that any Engine backend
+        # serves /adapters and /health alike; the lock keeps it and the engine's registry in step.
+        self._adapters: dict[str, int] = {}
+        self._adapter_lock = threading.Lock()
+        # Unless a request says ignore_eos, completions stop at the model's EOS ids (its generation
+        # config's, else the tokenizer's EOS), and chat also at the token its template ends a turn with
+        # (Llama 3's <|eot_id|>, ChatML's <|im_end|>). A tokenizer without a template gets ChatML, the
+        # layout `rollouts/chat.py` uses.
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else []
-        end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>") if tokenizer is not None else None
+        self.eos_ids: list[int] = list(stop_token_ids) or ([eos] if isinstance(eos, int) else [])
+        self.chat_template: str | None = None
+        if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+            from inflight.models.tiny import CHAT_TEMPLATE  # lazy: it imports transformers' tokenizers
+
+            self.chat_template = CHAT_TEMPLATE
         self.chat_end_ids: list[int] = list(self.eos_ids)
-        if isinstance(end_of_turn, int) and end_of_turn not in (*self.eos_ids, tokenizer.unk_token_id):
-            self.chat_end_ids.append(end_of_turn)
+        if tokenizer is not None:
+            try:
+                end_id, _ = end_of_turn(tokenizer, chat_template=self.chat_template)
+                self.chat_end_ids = list(reply_stop_ids(end_id, self.eos_ids))
+            except (UserError, TemplateError):  # turns end in plain text: replies end at EOS only
+                pass
 
     # -- generation ----------------------------------------------------------------------------------
     async def run(self, http_request: Request, requests: list[SampleRequest]) -> list[Completion]:
@@ -141,10 +174,26 @@ class _EngineService:
                 for request in requests:
                     self.engine.abort(request.request_id)
 
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.config.model_name:
+    def check_model(self, model: str | None) -> str | None:
+        """The adapter an OpenAI `model` field names (vLLM's convention), None for the base model."""
+        if not model or model == self.config.model_name:
+            return None
+        if model in self.adapters():
+            return model
+        raise HTTPError(
+            404,
+            f"model {model!r} is not served here; this server serves {self.config.model_name!r} and the "
+            f"adapters {sorted(self.adapters())}",
+        )
+
+    def check_adapter(self, name: str | None) -> None:
+        """404 for an adapter that is not registered (the engine checks again when the request joins)."""
+        if name is not None and name not in self.adapters():
             raise HTTPError(
-                404, f"model {model!r} is not served here; this server serves {self.config.model_name!r}"
+                404,
+                f"no adapter named {name!r} is registered on this server (registered: "
+                f"{sorted(self.adapters())}); register it with POST /set_adapter (Engine.set_adapter) "
+                "first, or leave adapter unset for the base model",
             )
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -155,20 +204,11 @@ class _EngineService:
         return prompt
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
-        from inflight.models.tiny import CHAT_TEMPLATE
-
         if self.tokenizer is None:
             raise ValueError("this server has no tokenizer: chat needs one")
         messages = [m.for_template() for m in request.messages]
-        # A tokenizer without a chat template gets ChatML, the layout `rollouts/chat.py` uses.
-        template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
-                chat_template=template,
-            )
+            text = render(self.tokenizer, messages, request.add_generation_prompt, self.chat_template)
         except Exception as exc:  # jinja's own errors, e.g. a template that insists on role order
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -215,14 +255,68 @@ class _EngineService:
             pause_s=record.pause_s if record is not None and m.version == update.version else None,
         )
 
-    def resolve_weights_path(self, path_text: str) -> Path:
+    def resolve_weights_path(self, path_text: str, directory: bool = False) -> Path:
+        """A file (or, for adapters, a directory) under weights_dir when that is set; 4xx otherwise."""
         path = Path(path_text).expanduser().resolve()
         root = self.config.weights_dir
         if root is not None and not path.is_relative_to(Path(root).expanduser().resolve()):
             raise HTTPError(403, f"{path_text!r} is outside this server's weights_dir {root!r}")
-        if not path.is_file():
+        if directory and not path.is_dir():
+            raise ValueError(f"adapter directory {path_text!r} does not exist or is not a directory")
+        if not directory and not path.is_file():
             raise ValueError(f"weights file {path_text!r} does not exist or is not a file")
         return path
+
+    # -- adapters ------------------------------------------------------------------------------------
+    def adapters(self) -> dict[str, int]:
+        with self._adapter_lock:
+            return dict(self._adapters)
+
+    async def set_adapter(self, update: AdapterUpdate, load_s: float) -> SetAdapterResponse:
+        if update.name == self.config.model_name:
+            raise ValueError(
+                f"adapter name {update.name!r} is the base model's name here; OpenAI's `model` field could "
+                "not tell them apart: choose another name"
+            )
+
+        def register() -> int | None:
+            # Checked and copied in this worker thread (ValueError naming the module at fault), not on
+            # the event loop: a large adapter takes a while to copy.
+            with self._adapter_lock:
+                previous = self._adapters.get(update.name)
+                if previous is not None and update.version < previous:
+                    raise HTTPError(
+                        409,
+                        f"adapter {update.name!r}: version {update.version} is older than the registered "
+                        f"{previous}; remove it first to start it over",
+                    )
+                self.engine.set_adapter(update)
+                self._adapters[update.name] = update.version
+                return previous
+
+        previous = await asyncio.to_thread(register)
+        return SetAdapterResponse(
+            name=update.name,
+            version=update.version,
+            rank=update.rank,
+            scale=update.scale,
+            replaced=previous is not None,
+            previous_version=previous,
+            load_s=load_s,
+        )
+
+    async def remove_adapter(self, name: str) -> RemoveAdapterResponse:
+        def unregister() -> int:
+            with self._adapter_lock:
+                if name not in self._adapters:
+                    raise HTTPError(
+                        404,
+                        f"remove_adapter: no adapter named {name!r} (registered: {sorted(self._adapters)})",
+                    )
+                self.engine.remove_adapter(name)
+                return self._adapters.pop(name)
+
+        return RemoveAdapterResponse(name=name, version=await asyncio.to_thread(unregister))
 
     def metrics(self) -> MetricsResponse:
         m = self.engine.metrics()
@@ -247,15 +341,29 @@ def _load_safetensors_file(path: Path) -> dict[str, Any]:
     return load_file(str(path))
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise HTTPError(413, f"body of {size} bytes exceeds max_update_bytes={limit}")
+    body = await request.body()
+    if not body:
+        raise ValueError("the body must be a safetensors file; it is empty")
+    return body
+
+
 def create_app(
-    engine: BuiltinEngine, tokenizer: Any = None, config: EngineServerConfig | None = None
+    engine: BuiltinEngine,
+    tokenizer: Any = None,
+    config: EngineServerConfig | None = None,
+    stop_token_ids: Sequence[int] = (),
 ) -> FastAPI:
     """An app serving `engine`; its step loop starts and stops with the app (lifespan).
 
     `tokenizer` is used by the handlers (prompts, chat templates, token texts): give the engine its own
-    instance, since a fast tokenizer object is not meant to be shared by two threads.
+    instance, since a fast tokenizer object is not meant to be shared by two threads. `stop_token_ids`:
+    the model's own EOS ids (`generation_stop_ids(model)`); default: the tokenizer's EOS.
     """
-    service = _EngineService(engine, tokenizer, config or EngineServerConfig())
+    service = _EngineService(engine, tokenizer, config or EngineServerConfig(), stop_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -304,6 +412,12 @@ def _add_error_handlers(app: FastAPI, service: _EngineService) -> None:
     async def engine_down(request: Request, exc: EngineLoopError) -> JSONResponse:
         return reply(503, str(exc), "server_error")
 
+    @app.exception_handler(EngineRequestError)
+    async def request_failed(request: Request, exc: EngineRequestError) -> JSONResponse:
+        # This request's own prefill failed (e.g. out of memory); the engine serves the others. Not a 5xx:
+        # another replica would fail it the same way, and this one is healthy.
+        return reply(422, f"the engine could not run this request: {exc}", "invalid_request_error")
+
     @app.exception_handler(TimeoutError)
     async def timed_out(request: Request, exc: TimeoutError) -> JSONResponse:
         return reply(504, str(exc), "timeout")
@@ -320,44 +434,47 @@ def _add_error_handlers(app: FastAPI, service: _EngineService) -> None:
 def _add_openai_routes(app: FastAPI, service: _EngineService) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        base = service.config.model_name
         card = {
-            "id": service.config.model_name,
+            "id": base,
             "object": "model",
             "created": 0,
             "owned_by": "inflight",
             "max_model_len": service.engine.config.max_seq_len_tokens,
         }
-        return {"object": "list", "data": [card]}
+        # vLLM lists each LoRA adapter as a model whose parent is the base; clients pick one by `model`.
+        loras = [{**card, "id": name, "parent": base} for name in sorted(service.adapters())]
+        return {"object": "list", "data": [card, *loras]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
-        service.check_model(body.model)
+        adapter = service.check_model(body.model)
         prompts = [service.encode_prompt(p) for p in body.prompts()]
         requests = [
-            SampleRequest(ids, body.sampling_params(body.max_tokens, service.eos_ids, i))
+            SampleRequest(ids, body.sampling_params(body.max_tokens, service.eos_ids, i), adapter=adapter)
             for ids in prompts
             for i in range(body.n)
         ]
         done = await service.run(request, requests)
         return CompletionResponse(
-            model=service.config.model_name,
+            model=adapter or service.config.model_name,
             choices=[completion_choice(j, c, body.logprobs, service.tokenizer) for j, c in enumerate(done)],
             usage=Usage.of(done),
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
-        service.check_model(body.model)
+        adapter = service.check_model(body.model)
         prompt = service.render_chat(body)
         room = service.engine.config.max_seq_len_tokens - len(prompt)
         max_tokens = body.max_new_tokens or max(room, 1)
         requests = [
-            SampleRequest(prompt, body.sampling_params(max_tokens, service.chat_end_ids, i))
+            SampleRequest(prompt, body.sampling_params(max_tokens, service.chat_end_ids, i), adapter=adapter)
             for i in range(body.n)
         ]
         done = await service.run(request, requests)
         return ChatCompletionResponse(
-            model=service.config.model_name,
+            model=adapter or service.config.model_name,
             choices=[chat_choice(j, c, body, service.tokenizer) for j, c in enumerate(done)],
             usage=Usage.of(done),
             prompt_token_ids=prompt,
@@ -376,6 +493,7 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
             version=m.version,
             num_running=m.num_running,
             num_waiting=m.num_waiting,
+            adapters=service.adapters(),
             error=error,
         )
         return JSONResponse(body.model_dump(), status_code=200 if error is None else 503)
@@ -386,7 +504,8 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
-        sample = SampleRequest(body.prompt_token_ids, body.sampling_params(), body.request_id or new_id())
+        service.check_adapter(body.adapter)
+        sample = body.sample_request(body.request_id or new_id())
         [completion] = await service.run(request, [sample])
         return GenerateResponse.from_completion(completion)
 
@@ -406,21 +525,44 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
         header = request.headers.get(VERSION_HEADER)
         if header is None or not header.strip().isdigit():
             raise ValueError(f"header {VERSION_HEADER} must carry the weight version (an integer >= 0)")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > service.config.max_update_bytes:
-            raise HTTPError(
-                413, f"body of {size} bytes exceeds max_update_bytes={service.config.max_update_bytes}"
-            )
         start = time.perf_counter()
-        body = await request.body()
-        if not body:
-            raise ValueError("the body must be a safetensors file; it is empty")
+        body = await _read_body(request, service.config.max_update_bytes)
         try:
             state_dict = await asyncio.to_thread(_load_safetensors_bytes, body)
         except SafetensorError as exc:
             raise ValueError(f"the body is not a safetensors file: {exc}") from exc
         load_s = time.perf_counter() - start
         return await service.install(WeightUpdate(int(header), state_dict), load_s)
+
+    @app.get("/adapters")
+    async def adapters() -> AdaptersResponse:
+        return AdaptersResponse(adapters=service.adapters())
+
+    @app.post("/set_adapter")
+    async def set_adapter(body: SetAdapterRequest) -> SetAdapterResponse:
+        path = service.resolve_weights_path(body.path, directory=True)
+        start = time.perf_counter()
+        update = await asyncio.to_thread(read_adapter_dir, path, body.name, body.version)
+        return await service.set_adapter(update, time.perf_counter() - start)
+
+    @app.post("/set_adapter_raw")
+    async def set_adapter_raw(request: Request) -> SetAdapterResponse:
+        try:
+            params = SetAdapterRawParams.model_validate(dict(request.query_params))
+        except ValidationError as exc:  # reported like a bad body: field, then what is wrong
+            raise RequestValidationError(exc.errors()) from exc
+        start = time.perf_counter()
+        body = await _read_body(request, service.config.max_update_bytes)
+        try:
+            tensors = await asyncio.to_thread(_load_safetensors_bytes, body)
+        except SafetensorError as exc:
+            raise ValueError(f"the body is not a safetensors file: {exc}") from exc
+        update = AdapterUpdate(params.name, params.version, params.rank, params.scale, tensors)
+        return await service.set_adapter(update, time.perf_counter() - start)
+
+    @app.post("/remove_adapter")
+    async def remove_adapter(body: RemoveAdapterRequest) -> RemoveAdapterResponse:
+        return await service.remove_adapter(body.name)
 
 
 def serve(
@@ -453,7 +595,44 @@ def serve(
             )
         )
         engine = BuiltinEngine(hf_model, load_tokenizer(model), config)
+        stop_ids = generation_stop_ids(hf_model)
         del hf_model  # the engine holds its own copy of the weights
-        app = create_app(engine, load_tokenizer(model), EngineServerConfig(model_name=model))
+        app = create_app(engine, load_tokenizer(model), EngineServerConfig(model_name=model), stop_ids)
         # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
         serve_on(sock, app, host, port, log_level=log_level, access_log=False)
+
+
+class ServerThread:
+    """`app` served by uvicorn from a thread of this process, on a socket bound before it starts (port 0:
+    a free one): the engine's HTTP face inside a process that has other work, e.g. the tests that hold it to
+    the Engine contract. `stop()` ends it, and the app's lifespan stops its engine loop."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        from inflight.preflight import bind_port
+
+        self._socket = bind_port(host, port)
+        self.port = int(self._socket.getsockname()[1])
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name=f"http-{self.port}", daemon=True
+        )
+
+    def start(self, timeout_s: float = 60.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the engine server on {self.url} did not start within {timeout_s:g} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._socket.close()
+        if self._thread.is_alive():
+            raise RuntimeError(f"the engine server on {self.url} did not stop within {timeout_s:g} s")

@@ -1,22 +1,31 @@
-"""Wire schemas of the engine server's own routes (/generate, /health, /update_weights, /metrics), shared by
-`server.py` and `client.py`. Pydantic only: importing this module starts no engine and no HTTP stack.
+"""Wire schemas of the engine server's own routes (/generate, /health, weight and adapter updates,
+/metrics), shared by `server.py` and `client.py`. Pydantic only: importing this module starts no engine and
+no HTTP stack.
 
-The OpenAI-compatible routes have their own schemas in `openai_api.py`.
+Together these routes carry the whole Engine interface (`engine.py`): a request's adapter, logprob kind and
+prompt logprobs, and adapters registered, replaced and removed. The OpenAI-compatible routes have their own
+schemas in `openai_api.py`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inflight.types import Completion, SamplingParams
+from inflight.types import Completion, SampleRequest, SamplingParams
 
 VERSION_HEADER = "X-Weight-Version"  # /update_weights_raw: the version of the safetensors body
+# Enough for Tinker's topk_prompt_logprobs and vLLM's default max_logprobs (20); it bounds the answer
+# (prompt tokens x k pairs), which the server builds in memory.
+MAX_TOPK_PROMPT_LOGPROBS = 1000
+# Adapter names travel in JSON bodies, query strings and OpenAI's `model` field: one visible token.
+AdapterName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^\S+$")]
 
 
 class GenerateRequest(BaseModel):
-    """Token-in/token-out: one prompt, SamplingParams' fields at the top level."""
+    """Token-in/token-out: one prompt; SamplingParams' and SampleRequest's fields at the top level."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -28,14 +37,17 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)  # kept in the output when hit
+    logprobs_kind: Literal["sampled", "raw"] = "sampled"  # docs/architecture.md, "Logprobs"
     request_id: str | None = None  # default: a fresh id
+    adapter: AdapterName | None = None  # a LoRA adapter registered with /set_adapter; None = base weights
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
 
     @classmethod
-    def from_params(
-        cls, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> GenerateRequest:
+    def from_request(cls, request: SampleRequest) -> GenerateRequest:
+        params = request.params
         return cls(
-            prompt_token_ids=prompt_token_ids,
+            prompt_token_ids=request.prompt_token_ids,
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -43,11 +55,15 @@ class GenerateRequest(BaseModel):
             seed=params.seed,
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
-            request_id=request_id,
+            logprobs_kind=params.logprobs_kind,
+            request_id=request.request_id,
+            adapter=request.adapter,
+            prompt_logprobs=request.prompt_logprobs,
+            topk_prompt_logprobs=request.topk_prompt_logprobs,
         )
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
+    def sample_request(self, request_id: str) -> SampleRequest:
+        params = SamplingParams(
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -55,19 +71,32 @@ class GenerateRequest(BaseModel):
             seed=self.seed,
             stop=tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids),
+            logprobs_kind=self.logprobs_kind,
+        )
+        return SampleRequest(
+            self.prompt_token_ids,
+            params,
+            request_id,
+            adapter=self.adapter,
+            prompt_logprobs=self.prompt_logprobs,
+            topk_prompt_logprobs=self.topk_prompt_logprobs,
         )
 
 
 class GenerateResponse(BaseModel):
     request_id: str
     token_ids: list[int]  # [T] generated tokens (a stop token included)
-    logprobs: list[float]  # [T] under the distribution each token was sampled from
-    versions: list[int]  # [T] policy version of the weights that produced each token
+    logprobs: list[float]  # [T] of the kind the request asked for
+    versions: list[int]  # [T] policy version of the weights (or adapter) that produced each token
     finish_reason: Literal["stop", "length", "abort"]
     text: str | None = None
+    # [P] when asked; JSON has no NaN, so position 0 (no prefix) is null on the wire.
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None  # [P] (id, logprob) pairs; [0] is []
 
     @classmethod
     def from_completion(cls, completion: Completion) -> GenerateResponse:
+        prompt = completion.prompt_logprobs
         return cls(
             request_id=completion.request_id,
             token_ids=completion.token_ids,
@@ -75,9 +104,12 @@ class GenerateResponse(BaseModel):
             versions=completion.versions,
             finish_reason=completion.finish_reason,
             text=completion.text,
+            prompt_logprobs=None if prompt is None else [None if math.isnan(x) else x for x in prompt],
+            topk_prompt_logprobs=completion.topk_prompt_logprobs,
         )
 
     def to_completion(self, prompt_token_ids: list[int]) -> Completion:
+        prompt = self.prompt_logprobs
         return Completion(
             request_id=self.request_id,
             prompt_token_ids=prompt_token_ids,
@@ -86,6 +118,8 @@ class GenerateResponse(BaseModel):
             versions=self.versions,
             finish_reason=self.finish_reason,
             text=self.text,
+            prompt_logprobs=None if prompt is None else [math.nan if x is None else x for x in prompt],
+            topk_prompt_logprobs=self.topk_prompt_logprobs,
         )
 
 
@@ -95,6 +129,9 @@ class HealthResponse(BaseModel):
     version: int  # policy version generating now
     num_running: int
     num_waiting: int
+    # Registered adapter -> the version new requests get: what a balanced client compares to bring a
+    # replica that was away up to date.
+    adapters: dict[str, int] = Field(default_factory=dict)
     error: str | None = None  # why the engine stopped, when status is "error"
 
 
@@ -114,6 +151,56 @@ class UpdateWeightsResponse(BaseModel):
     load_s: float  # reading the file or receiving + parsing the body
     copy_s: float  # copying into engine tensors (off the step loop)
     pause_s: float | None  # step-loop pause to install it (recompute included); None if superseded
+
+
+class SetAdapterRequest(BaseModel):
+    """Register adapter `name`, or replace its weights, from a PEFT adapter directory the server can read
+    (`adapter_model.safetensors` + `adapter_config.json` with r and lora_alpha)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: AdapterName
+    path: str = Field(min_length=1)
+    version: int = Field(ge=0)  # the adapter's optimizer steps; its tokens are stamped with it
+
+
+class SetAdapterResponse(BaseModel):
+    """Sent once the engine accepted it: every request submitted afterwards runs on these weights (a
+    replacement lands between two decode steps, so requests already running switch to it too)."""
+
+    name: str
+    version: int
+    rank: int
+    scale: float  # the adapter adds scale * B @ A
+    replaced: bool  # the name was registered before (at `previous_version`)
+    previous_version: int | None
+    load_s: float  # reading the directory or parsing the body
+
+
+class SetAdapterRawParams(BaseModel):
+    """/set_adapter_raw's query string; the body is the adapter_model.safetensors bytes (PEFT names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: AdapterName
+    version: int = Field(ge=0)
+    rank: int = Field(ge=1)
+    scale: float = Field(allow_inf_nan=False)  # alpha / rank: the adapter adds scale * B @ A
+
+
+class RemoveAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: AdapterName
+
+
+class RemoveAdapterResponse(BaseModel):
+    name: str
+    version: int  # the version it had; requests already running on it finish on those weights
+
+
+class AdaptersResponse(BaseModel):
+    adapters: dict[str, int]  # registered name -> the version new requests get
 
 
 class UpdateRecordWire(BaseModel):
@@ -145,6 +232,9 @@ class MetricsResponse(BaseModel):
     update_copy_s_total: float
     sequences_recomputed: int
     tokens_recomputed: int
+    adapter_updates_received: int  # set_adapter calls accepted (registrations and replacements)
+    adapter_updates_applied: int  # replacements installed at a step boundary
+    adapters_registered: int
     recent_updates: list[UpdateRecordWire]
     weight_load_s_total: float  # server: file reads and raw bodies, before the engine copy
     weight_load_s_last: float

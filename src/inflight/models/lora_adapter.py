@@ -33,15 +33,22 @@ def peft_key(module: str, which: str) -> str:
 
 
 def select_targets(
-    shapes: ModuleShapes, train_attn: bool, train_mlp: bool, train_unembed: bool
+    shapes: ModuleShapes,
+    train_attn: bool,
+    train_mlp: bool,
+    train_unembed: bool,
+    suffixes: Iterable[str] | None = None,
 ) -> dict[str, tuple[int, int]]:
-    """The modules of `shapes` that an adapter with these Tinker flags trains."""
-    suffixes = (
-        (ATTN_TARGETS if train_attn else ())
-        + (MLP_TARGETS if train_mlp else ())
-        + (UNEMBED_TARGETS if train_unembed else ())
-    )
-    return {name: shape for name, shape in shapes.items() if name.rsplit(".", 1)[-1] in suffixes}
+    """The modules of `shapes` that an adapter trains: those named by `suffixes` (e.g. "q_proj") when given,
+    else those of the Tinker flags' groups."""
+    if suffixes is None:
+        suffixes = (
+            (ATTN_TARGETS if train_attn else ())
+            + (MLP_TARGETS if train_mlp else ())
+            + (UNEMBED_TARGETS if train_unembed else ())
+        )
+    wanted = set(suffixes)
+    return {name: shape for name, shape in shapes.items() if name.rsplit(".", 1)[-1] in wanted}
 
 
 @dataclass
@@ -50,14 +57,20 @@ class LoraAdapter:
 
     rank: int
     modules: dict[str, tuple[Tensor, Tensor]]  # module name -> (A, B)
+    alpha: float = LORA_ALPHA  # PEFT's lora_alpha: the output is scaled by alpha / rank
 
     @property
     def scale(self) -> float:
-        return LORA_ALPHA / self.rank
+        return self.alpha / self.rank
 
     @classmethod
     def create(
-        cls, shapes: ModuleShapes, rank: int, seed: int | None = None, device: str | torch.device = "cpu"
+        cls,
+        shapes: ModuleShapes,
+        rank: int,
+        seed: int | None = None,
+        device: str | torch.device = "cpu",
+        alpha: float = LORA_ALPHA,
     ) -> LoraAdapter:
         """A fresh trainable adapter: A ~ PEFT's default init, B = 0, so it starts equal to the base model.
 
@@ -75,7 +88,7 @@ class LoraAdapter:
             a = (torch.rand(rank, fan_in, generator=generator) * 2 - 1) * bound
             b = torch.zeros(fan_out, rank)
             modules[name] = (a.to(device).requires_grad_(), b.to(device).requires_grad_())
-        return cls(rank=rank, modules=modules)
+        return cls(rank=rank, modules=modules, alpha=alpha)
 
     def parameters(self) -> list[Tensor]:
         """A, B of every module in sorted module order: the optimizer's (and its state's) fixed order."""
@@ -119,6 +132,7 @@ class LoraAdapter:
         return LoraAdapter(
             rank=self.rank,
             modules={name: (a.detach().clone(), b.detach().clone()) for name, (a, b) in self.modules.items()},
+            alpha=self.alpha,
         )
 
     def zero_grad_buffers(self) -> None:

@@ -52,12 +52,13 @@ from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
 from inflight.orchestrator.drivers import Driver, SubmitDriver
 from inflight.orchestrator.guard import RolloutGuard
+from inflight.orchestrator.publish import publish
 from inflight.orchestrator.remote_engine import RemoteEngines
 from inflight.orchestrator.sync_loop import LoopParts, rollout_metrics, sampling_params, to_train_samples
 from inflight.orchestrator.task import train_problem
 from inflight.rollouts.api import RolloutContext
 from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
-from inflight.types import Completion, RolloutGroup, SampleRequest, WeightUpdate
+from inflight.types import Completion, RolloutGroup, SampleRequest
 
 
 @dataclass
@@ -268,7 +269,7 @@ class _Pipeline:
                 if samples:
                     metrics.update(trainer.train_step(samples))
                     t1 = time.perf_counter()
-                    loop.update_weights(WeightUpdate(trainer.version, trainer.weights()))  # in flight
+                    publish(loop, trainer)  # in flight
                     metrics["weight_publish_s"] = time.perf_counter() - t1
                 else:
                     metrics["steps_skipped"] = 1.0  # nothing informative: no update, counted
@@ -299,7 +300,7 @@ class _Pipeline:
         remote = isinstance(loop, RemoteEngines)
         if not remote:
             loop.start()
-            loop.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+            publish(loop, trainer)
         errors: list[BaseException] = []
 
         def train_thread() -> None:
@@ -313,7 +314,7 @@ class _Pipeline:
         async def main() -> None:
             if remote:  # its client lives on this event loop; the replicas get the trainer's weights first
                 await loop.astart()
-                await asyncio.to_thread(loop.update_weights, WeightUpdate(trainer.version, trainer.weights()))
+                await asyncio.to_thread(publish, loop, trainer)
             stop = asyncio.Event()
             producer = asyncio.create_task(self.produce(stop))
             thread = threading.Thread(target=train_thread, name="trainer", daemon=True)

@@ -2,20 +2,38 @@
 
 Rollouts call the replicas through the balanced client (least outstanding requests, failover counted);
 new weights go through the filesystem transport (safetensors written by atomic rename) and each
-replica is told to install them (`/update_weights`), between two of its decode steps. The interface is
-the engine loop's: `version`, `generate`, `submit`, `update_weights`, plus async start/close because
-the client lives on the pipeline's event loop.
+replica is told to install them (`/update_weights`), between two of its decode steps. A LoRA adapter goes
+the same way: a PEFT adapter directory written next to the weights, then `/set_adapter` on each replica.
+The interface is the engine loop's: `version`, `generate`, `submit`, `update_weights`, plus `set_adapter`
+/ `remove_adapter` and async start/close because the client lives on the pipeline's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
+import re
+import shutil
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
+from inflight.inference.adapter_files import write_adapter_dir
 from inflight.inference.client import BalancedClient
-from inflight.types import Completion, SampleRequest, WeightUpdate
+from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate
 from inflight.weight_sync.filesystem import FilesystemPublisher, FilesystemSyncConfig, weights_path
+
+T = TypeVar("T")
+ADAPTER_VERSIONS_KEPT = 2  # as the weights' keep_last: a replica still reading the previous one finds it
+
+
+def adapter_path(root: Path, name: str, version: int) -> Path:
+    """Where version `version` of adapter `name` is written: one directory per adapter, whatever characters
+    its name holds (the hash keeps two names that sanitise alike apart)."""
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".")[:60]
+    return root / "adapters" / f"{readable}-{digest}" / f"v{version:08d}"
 
 
 class RemoteEngines:
@@ -27,6 +45,7 @@ class RemoteEngines:
         self._client: BalancedClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._version = -1  # installed on every live replica (update_weights answers once it is live)
+        self.adapter_versions: dict[str, int] = {}  # served by every live replica
         self.busy_s = self.idle_s = 0.0  # measured on the replicas, not here
 
     @property
@@ -44,9 +63,7 @@ class RemoteEngines:
 
     async def generate(self, request: SampleRequest, timeout_s: float) -> Completion:
         assert self._client is not None, "RemoteEngines.astart() first"
-        return await asyncio.wait_for(
-            self._client.generate(request.prompt_token_ids, request.params, request.request_id), timeout_s
-        )
+        return await asyncio.wait_for(self._client.generate(request), timeout_s)
 
     def submit(self, request: SampleRequest) -> concurrent.futures.Future[Completion]:
         """From another thread (the trainer's evaluation)."""
@@ -55,15 +72,36 @@ class RemoteEngines:
 
     def update_weights(self, update: WeightUpdate) -> None:
         """From the trainer thread: write the file, then wait until every live replica generates with it."""
-        assert self._client is not None and self._loop is not None, "RemoteEngines.astart() first"
+        assert self._client is not None, "RemoteEngines.astart() first"
         self._publisher.publish(update.state_dict, update.version)
         path = str(weights_path(self._weights_dir, update.version).resolve())
-        live = asyncio.run_coroutine_threadsafe(self._client.update_weights(path, update.version), self._loop)
-        live.result(timeout=self._update_timeout_s)
+        self._wait(self._client.update_weights(path, update.version))
         self._version = update.version
+
+    def set_adapter(self, update: AdapterUpdate) -> None:
+        """From the trainer thread: write the adapter as a PEFT directory, then wait until every live replica
+        has it (a replacement reaches the requests running on it between two decode steps)."""
+        assert self._client is not None, "RemoteEngines.astart() first"
+        path = adapter_path(self._weights_dir, update.name, update.version)
+        write_adapter_dir(path, update)
+        self._wait(self._client.set_adapter(update.name, str(path.resolve()), update.version))
+        self.adapter_versions[update.name] = update.version
+        # Older versions go only now: until every replica answered, one may still be reading them.
+        for old in sorted(path.parent.glob("v*"))[:-ADAPTER_VERSIONS_KEPT]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def remove_adapter(self, name: str) -> None:
+        """From any thread but the event loop's: later requests naming it are refused on every replica."""
+        assert self._client is not None, "RemoteEngines.astart() first"
+        self._wait(self._client.remove_adapter(name))
+        self.adapter_versions.pop(name, None)
 
     def metrics(self) -> dict[str, float]:
         if self._client is None:
             return {}
         m = self._client.metrics()
         return {f"replicas/{k}": float(v) for k, v in vars(m).items() if isinstance(v, int | float)}
+
+    def _wait(self, call: Coroutine[Any, Any, T]) -> T:
+        assert self._loop is not None, "RemoteEngines.astart() first"
+        return asyncio.run_coroutine_threadsafe(call, self._loop).result(timeout=self._update_timeout_s)

@@ -27,6 +27,7 @@ from inflight.metrics.logger import METRICS_FILE, MetricsLogger
 from inflight.metrics.plot import plot_run
 from inflight.orchestrator.drivers import Driver, InlineDriver
 from inflight.orchestrator.evaluate import evaluate
+from inflight.orchestrator.publish import policy_engine, publish
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, make_run_dir, pad_id
 from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.sync_loop import train as train_sync
@@ -35,7 +36,6 @@ from inflight.orchestrator.task_warmup import task_warmup
 from inflight.orchestrator.warmup import format_warmup
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer.checkpoint import checkpoint_step, save_checkpoint
-from inflight.types import WeightUpdate
 
 
 def train(
@@ -75,8 +75,10 @@ def run(cfg: RunConfig, task: Task) -> dict[str, Any]:
                 format_warmup(model, pad_id(tokenizer), chat, new_env, cfg, logger, task.warmup_reply)
             elif cfg.warmup.sft_steps:
                 task_warmup(model, pad_id(tokenizer), task, train_problems, chat, cfg, logger)
+            # The engine first: it copies the weights, and a LoRA trainer then wraps the model's layers.
+            engine = build_engine(cfg, model, tokenizer)
             trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
-            parts = LoopParts(build_engine(cfg, model, tokenizer), trainer, chat, task, train_problems)
+            parts = LoopParts(policy_engine(engine, trainer), trainer, chat, task, train_problems)
 
             def test(driver: Driver, num_problems: int) -> dict[str, float]:
                 return evaluate(task, test_problems, cfg, chat, driver, num_problems)
@@ -90,7 +92,7 @@ def run(cfg: RunConfig, task: Task) -> dict[str, Any]:
             history = train(parts, cfg, logger, run_dir, during if test_problems else None)
             last_step = first_step + len(history)
             # The trained weights, whichever engine (or inference replica) generated with them.
-            parts.engine.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+            publish(parts.engine, trainer)
             final = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
             if final:
                 logger.log(last_step, _test_metrics(final), phase="eval")

@@ -35,12 +35,13 @@ from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
 from inflight.orchestrator.drivers import Driver, InlineDriver
 from inflight.orchestrator.guard import RolloutGuard
+from inflight.orchestrator.publish import publish
 from inflight.orchestrator.task import Problems, Task, train_problem
 from inflight.rollouts.api import GenerateFn, RolloutContext
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import Trainer
 from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
-from inflight.types import Rollout, RolloutGroup, SamplingParams, TrainSample, WeightUpdate
+from inflight.types import Rollout, RolloutGroup, SamplingParams, TrainSample
 
 
 @dataclass
@@ -132,7 +133,7 @@ def train(
     groups_dropped = 0
     history: list[dict[str, float]] = []
     title, every = f"{cfg.recipe} (sync GRPO)", cfg.metrics.print_every_steps
-    engine.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+    publish(engine, trainer)
     with StepProgress(cfg.grpo.steps, title, enabled=cfg.progress, every_steps=every) as progress:
         for step in range(first_step, cfg.grpo.steps):
             t0 = time.perf_counter()
@@ -153,7 +154,7 @@ def train(
             metrics.update(guard.metrics(), groups_dropped_errors=float(groups_dropped))
             if samples:  # 3. loss + optimizer step
                 metrics.update(trainer.train_step(samples))
-                engine.update_weights(WeightUpdate(trainer.version, trainer.weights()))  # 4. publish
+                publish(engine, trainer)  # 4. publish
             else:
                 metrics["steps_skipped"] = 1.0  # nothing informative: no update, counted
             step_s = time.perf_counter() - t0

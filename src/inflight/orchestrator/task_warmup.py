@@ -70,6 +70,8 @@ def task_warmup(
         TrainerConfig(
             lr=w.sft_lr,
             micro_batch_size=cfg.trainer.micro_batch_size,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+            device=cfg.trainer.device,
             loss=LossConfig(name="cross_entropy", reduction="token_mean"),
         ),
         pad_id=pad_id,

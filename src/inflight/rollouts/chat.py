@@ -12,20 +12,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from inflight.errors import UserError
+from inflight.models.chat_template import (
+    REPLY_PLACEHOLDER,
+    end_of_turn,
+    generation_stop_ids,
+    render,
+    reply_stop_ids,
+)
 
-# Stands in for a reply's text when rendering a conversation, to find what the template writes around it.
-_REPLY = "INFLIGHT_REPLY_PLACEHOLDER"
-
-
-def generation_stop_ids(model: Any) -> tuple[int, ...]:
-    """The ids a Hugging Face model's generation ends at: generation_config.eos_token_id (an int or a list:
-    Llama 3 Instruct lists <|end_of_text|>, <|eom_id|> and <|eot_id|>), else its config's."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(int(i) for i in (eos if isinstance(eos, list | tuple) else [eos]))
+__all__ = ["ChatFormat", "generation_stop_ids"]  # generation_stop_ids: re-exported from its new home
 
 
 class ChatFormat:
@@ -38,20 +33,9 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.eos_token_ids = tuple(eos_token_ids)
-        closing = self._render([("user", "?"), ("assistant", _REPLY)], generation_prompt=False)
-        closing = closing[closing.rfind(_REPLY) + len(_REPLY) :]
-        ids = self.encode(closing)
-        if not ids or not self._is_special(ids[0]):
-            raise UserError(
-                f"the chat template ends an assistant turn with {closing!r}, not with a special token (such "
-                "as <|im_end|> or <|eot_id|>) that generation could stop at; use a chat model's tokenizer"
-            )
-        self.end_of_turn_id: int = ids[0]
-        self._end_of_turn_text: str = tokenizer.convert_ids_to_tokens(ids[0])
+        self.end_of_turn_id, self._end_of_turn_text = end_of_turn(tokenizer, system_prompt)
         # Stop at the end of the turn first; the model's own EOS ids end a reply too.
-        self.stop_token_ids: tuple[int, ...] = tuple(
-            dict.fromkeys((self.end_of_turn_id, *self.eos_token_ids))
-        )
+        self.stop_token_ids: tuple[int, ...] = reply_stop_ids(self.end_of_turn_id, self.eos_token_ids)
 
     @classmethod
     def for_model(cls, tokenizer: Any, model: Any, system_prompt: str | None = None) -> ChatFormat:
@@ -76,9 +60,9 @@ class ChatFormat:
         what the template writes after the end-of-turn does not depend on the earlier turns' text.
         """
         text = self._render(
-            [("user", "?"), ("assistant", _REPLY), ("user", user_text)], generation_prompt=True
+            [("user", "?"), ("assistant", REPLY_PLACEHOLDER), ("user", user_text)], generation_prompt=True
         )
-        after = text[text.rfind(_REPLY) + len(_REPLY) :]
+        after = text[text.rfind(REPLY_PLACEHOLDER) + len(REPLY_PLACEHOLDER) :]
         if not after.startswith(self._end_of_turn_text):
             raise UserError(
                 f"the chat template closes an assistant turn with {after[:40]!r} before a user turn but "
@@ -100,12 +84,4 @@ class ChatFormat:
         messages = [{"role": role, "content": content} for role, content in turns]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return str(
-            self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
-            )
-        )
-
-    def _is_special(self, token_id: int) -> bool:
-        added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(token_id)
-        return token_id in self.tokenizer.all_special_ids or bool(getattr(added, "special", False))
+        return render(self.tokenizer, messages, generation_prompt)

@@ -1,4 +1,9 @@
-"""Trainer checkpoints: model weights (safetensors), optimizer state and the step, durable against a kill.
+"""Trainer checkpoints: the policy's files, optimizer state and the step, durable against a kill.
+
+The policy's files are the one format of its kind: a full model is a Hugging Face directory
+(model.safetensors + config.json: `AutoModelForCausalLM.from_pretrained` loads it) with optimizer.pt; a
+LoRA adapter is a PEFT directory (adapter_model.safetensors + adapter_config.json: `PeftModel.from_pretrained`
+loads it) with optimizer.safetensors, the service's layout (`adapter_checkpoint.py`).
 
 A checkpoint is a directory whose metadata file (trainer_state.json, with every other file's size) is
 written last and fsynced, so its presence proves the checkpoint complete. A save writes `NAME.tmp`, then
@@ -16,15 +21,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from inflight.errors import UserError
+from inflight.trainer.adapter_checkpoint import ADAPTER_FILE
+from inflight.trainer.policy import OPTIMIZER, WEIGHTS
 from inflight.trainer.trainer import Trainer
 
-WEIGHTS = "model.safetensors"
-OPTIMIZER = "optimizer.pt"
 META = "trainer_state.json"
 _FILES_KEY = "files"  # in META: {file name: bytes}, the proof that the files beside it are whole
 
@@ -120,11 +123,7 @@ def save_checkpoint(trainer: Trainer, path: str | Path, extra: dict | None = Non
     _settle(path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # safetensors refuses shared storage; contiguous clones keep tied weights writable too.
-    state = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS))
-    torch.save(trainer.optimizer.state_dict(), tmp / OPTIMIZER)
-    sizes = {name: (tmp / name).stat().st_size for name in (WEIGHTS, OPTIMIZER)}
+    sizes = {name: (tmp / name).stat().st_size for name in trainer.policy.save(tmp)}
     for name in sizes:
         _fsync(tmp / name)
     # Last: until this file is whole, `find_checkpoint` ignores the directory.
@@ -146,25 +145,25 @@ def save_checkpoint(trainer: Trainer, path: str | Path, extra: dict | None = Non
 def load_checkpoint(trainer: Trainer, path: str | Path, load_optimizer: bool = True) -> dict:
     """Restore weights (+ optimizer) and version from `path`. Returns the saved metadata."""
     path = Path(path)
-    if not (path / WEIGHTS).is_file():
-        raise UserError(f"no checkpoint at {path} (expected {WEIGHTS} there)")
+    lora = trainer.config.lora_rank > 0
+    expected, other = (ADAPTER_FILE, WEIGHTS) if lora else (WEIGHTS, ADAPTER_FILE)
+    if not (path / expected).is_file():
+        if (path / other).is_file():
+            kind = "a full model" if lora else "a LoRA adapter"
+            raise UserError(
+                f"checkpoint {path} holds {kind}, but trainer.lora_rank={trainer.config.lora_rank}: resume "
+                "with the run's own trainer settings, or move the checkpoint away to start from step 0"
+            )
+        raise UserError(f"no checkpoint at {path} (expected {expected} there)")
     try:
-        weights = load_file(str(path / WEIGHTS))
-        optimizer = torch.load(path / OPTIMIZER, weights_only=True) if load_optimizer else None
         meta = json.loads((path / META).read_text())
+        trainer.policy.load(path, load_optimizer)
     # What a damaged file raises: safetensors' header check, torch.load's zip reader and unpickler, json.
     except (SafetensorError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
             f"checkpoint {path} cannot be read ({reason}): move it away to start this run from step 0"
         ) from None
-    missing, unexpected = trainer.model.load_state_dict(weights, strict=False)
-    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-        raise UserError(
-            f"checkpoint {path} does not match the model: missing={missing} unexpected={unexpected}"
-        )
-    if optimizer is not None:
-        trainer.optimizer.load_state_dict(optimizer)
     trainer.version = int(meta["version"])
     meta.pop(_FILES_KEY, None)
     return meta

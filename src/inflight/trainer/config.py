@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from inflight.losses.offpolicy import OffPolicyKind, offpolicy_thresholds
+from inflight.models.lora_adapter import ATTN_TARGETS, LORA_ALPHA, MLP_TARGETS, UNEMBED_TARGETS
 
 LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 Reduction = Literal["token_sum", "token_mean", "seq_mean", "constant"]
@@ -62,7 +63,8 @@ class LossConfig(BaseModel):
 
 
 class TrainerConfig(BaseModel):
-    """Optimizer and batching. A step is one optimizer update over all samples handed to `train_step`."""
+    """Optimizer, batching, device and what trains (the full model, or one LoRA adapter when lora_rank > 0).
+    A step is one optimizer update over all samples handed to `train_step`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -77,9 +79,25 @@ class TrainerConfig(BaseModel):
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # 0 = no clipping
-    micro_batch_size: int = 32  # samples per forward/backward; gradients accumulate across micro-batches
+    # A micro-batch (one forward/backward; gradients accumulate across them) holds at most
+    # micro_batch_size samples and, when set, micro_batch_tokens padded tokens (rows x longest row, which
+    # bounds activation memory); a longer sample goes alone. Similar lengths share one (less padding).
+    micro_batch_size: int = 32
+    micro_batch_tokens: int | None = None
+    # Recompute each layer's activations in the backward pass (HF's, non-reentrant): activation memory
+    # of one layer instead of all, for about one more forward pass of compute.
+    gradient_checkpointing: bool = False
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when there is one)
     temperature: float = 1.0  # logprobs are computed at the sampling temperature (parity contract)
-    autocast_bf16: bool = False  # faster on CPUs with AMX; parity tests run in float32
+    # bfloat16 autocast on the trainer's device: True, False, or "auto" (on where the device multiplies
+    # bfloat16 natively: a CUDA GPU, a CPU with AMX or AVX512-BF16). Parity tests run in float32.
+    autocast_bf16: bool | Literal["auto"] = False
+    # LoRA: 0 trains every parameter; N > 0 trains one rank-N adapter on the frozen model (the KL
+    # reference is then the base itself, no copy), scaled by lora_alpha / lora_rank like PEFT.
+    lora_rank: int = 0
+    lora_alpha: float = LORA_ALPHA
+    lora_target_modules: tuple[str, ...] = ATTN_TARGETS + MLP_TARGETS  # module-name suffixes
+    lora_seed: int = 0  # the adapter's init (A ~ PEFT's kaiming-uniform, B = 0)
     loss: LossConfig = LossConfig()
 
     @model_validator(mode="after")
@@ -92,6 +110,22 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"trainer.lr_decay_steps must be >= 0, got {self.lr_decay_steps}")
         if self.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(
+                f"trainer.micro_batch_tokens must be >= 1 (or unset: no token bound), got "
+                f"{self.micro_batch_tokens}"
+            )
+        if self.lora_rank < 0:
+            raise ValueError(f"trainer.lora_rank must be >= 0 (0 = full-parameter), got {self.lora_rank}")
+        if self.lora_rank and self.lora_alpha <= 0:
+            raise ValueError(f"trainer.lora_alpha must be > 0, got {self.lora_alpha}")
+        known = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
+        unknown = [m for m in self.lora_target_modules if m not in known]
+        if self.lora_rank and (unknown or not self.lora_target_modules):
+            raise ValueError(
+                f"trainer.lora_target_modules must be a non-empty subset of {', '.join(known)}; "
+                f"got {list(self.lora_target_modules)}"
+            )
         if self.temperature <= 0:
             raise ValueError("trainer.temperature must be > 0 (greedy sampling has no logprobs to correct)")
         return self

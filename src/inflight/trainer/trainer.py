@@ -1,18 +1,20 @@
-"""The trainer owns the policy parameters and the optimizer: micro-batching, gradient accumulation,
-the policy loss with its regularisers, and checkpoints. It never sees rewards, only advantages.
+"""The pipeline's trainer: micro-batching by samples and padded tokens, gradient accumulation, the RL loss
+with its regularisers, the device and autocast, and the policy version. It never sees rewards, only
+advantages. What trains (the full model or one LoRA adapter over a frozen base) is the policy's business
+(`policy.py`, `lora_policy.py`); run checkpoints are `checkpoint.py`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from inflight.errors import UserError
 from inflight.losses import (
     KL_ESTIMATORS,
     LOSSES,
@@ -26,8 +28,14 @@ from inflight.losses import (
     top_k_entropy_from_logits,
 )
 from inflight.losses.importance import to_floats
+from inflight.models.device import resolve_device
+from inflight.models.loader import native_bfloat16
 from inflight.trainer.config import TrainerConfig, lr_at
-from inflight.types import TrainSample
+from inflight.trainer.lora_policy import LoraPolicy
+from inflight.trainer.micro_batches import pack_by_tokens
+from inflight.trainer.policy import FullPolicy, Policy
+from inflight.trainer.types import LoraSpec, OptimStep
+from inflight.types import AdapterUpdate, TrainSample
 
 
 @dataclass
@@ -43,6 +51,16 @@ class MicroBatch:
     # [B, T] bool: target t+1 was sampled by weights of version `current_version` on a prefix those same
     # weights computed (its whole reply was); there, engine and trainer logprobs must agree exactly.
     current: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same tensors on `device` (collated on the CPU, then one copy each)."""
+        return MicroBatch(
+            **{name: getattr(self, name).to(device, non_blocking=True) for name in self.__dataclass_fields__}
+        )
 
     @classmethod
     def collate(
@@ -94,47 +112,98 @@ def sampled_by(versions: Sequence[int], loss_mask: Sequence[float], version: int
 
 
 class Trainer:
-    """Policy model + AdamW. `version` counts optimizer steps applied (the policy version contract)."""
+    """Policy model + AdamW. `version` counts optimizer steps applied (the policy version contract).
+
+    `trainer.lora_rank > 0` trains one LoRA adapter over the frozen `model` (whose layers are wrapped in
+    place: the trainer owns the model), else every parameter. `model` moves to `trainer.device`.
+    """
 
     def __init__(self, model: torch.nn.Module, config: TrainerConfig, pad_id: int = 0) -> None:
-        self.model = model
         self.config = config
         self.pad_id = pad_id
         self.version = 0
         lr_at(config, 0)  # a schedule that cannot run fails here, not at the first step
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
+        self.device = resolve_device(config.device, "trainer.device")
+        self._bf16 = config.autocast_bf16 is True or (
+            config.autocast_bf16 == "auto" and native_bfloat16(self.device)
         )
-        # The reference is a frozen snapshot of the weights at construction (after any warm-up the
-        # caller did before building the trainer); only kept when a KL penalty needs it.
-        self.ref_model: torch.nn.Module | None = None
-        if config.loss.kl_coef > 0:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        model.to(self.device)
+        if config.gradient_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise UserError(
+                    f"{type(model).__name__} does not support gradient checkpointing: "
+                    "set trainer.gradient_checkpointing=false"
+                )
+            # Non-reentrant: works with a frozen base (no input needs a gradient) and with the LoRA router.
+            # transformers 5 renamed it (the old name warns); older releases have only the old one.
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(  # type: ignore[operator]
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+        self.policy: Policy
+        if config.lora_rank:
+            spec = LoraSpec(
+                rank=config.lora_rank,
+                seed=config.lora_seed,
+                alpha=config.lora_alpha,
+                target_modules=list(config.lora_target_modules),
+            )
+            self.policy = LoraPolicy(model, spec, self.device)
+        else:
+            self.policy = FullPolicy(model, keep_reference=config.loss.kl_coef > 0)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.policy.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.policy.optimizer
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """The frozen copy a full-parameter KL penalty compares with (LoRA's reference is the base: None)."""
+        return self.policy.ref_model if isinstance(self.policy, FullPolicy) else None
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.config.autocast_bf16:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+        if self._bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _trained_logits(self, model: torch.nn.Module, mb: MicroBatch, where: tuple) -> torch.Tensor:
-        """Logits [N, V] at `where`, the N positions with a nonzero loss weight (mb.mask.nonzero()).
+    def _micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+        """At most micro_batch_size samples and micro_batch_tokens padded tokens each, similar lengths
+        together (less padding)."""
+        lengths = [len(s.token_ids) - 1 for s in samples]
+        cfg = self.config
+        groups = pack_by_tokens(lengths, cfg.micro_batch_tokens, cfg.micro_batch_size)
+        return [[samples[i] for i in group] for group in groups]
+
+    def _trained_logits(
+        self,
+        model: torch.nn.Module,
+        mb: MicroBatch,
+        where: tuple,
+        routing: Callable[[int], contextlib.AbstractContextManager[None]],
+    ) -> torch.Tensor:
+        """Logits [N, V] at `where`, the N positions with a nonzero loss weight (mb.mask.nonzero()). The
+        caller runs this in `routing(mb.rows)`; the LM head sees the N positions as one row, so it runs in
+        `routing(1)`.
 
         RL samples are mostly prompt and environment tokens; running the LM head, log-softmax and
         entropy only where the loss looks saves most of their cost.
         """
         rows, cols = where
         decoder, head = model.get_decoder(), model.get_output_embeddings()  # type: ignore[operator]
+        inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "use_cache": False}
         with self._autocast():
             if decoder is None or head is None:  # not a decoder + LM head model: full logits, then select
-                return (
-                    model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[rows, cols].float()
-                )
-            hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
-            return head(hidden[rows, cols]).float()
+                return model(**inputs).logits[rows, cols].float()
+            hidden = decoder(**inputs).last_hidden_state
+            with routing(1):  # [1, N, H]
+                return head(hidden[rows, cols][None])[0].float()
 
     def forward_backward(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Accumulate gradients of the loss over `samples`, in micro-batches. Returns step metrics."""
@@ -164,64 +233,66 @@ class Trainer:
                 num_sequences=num_seqs,
             )
 
-        # Similar lengths share a micro-batch (less padding); the sums use global denominators,
-        # so the order does not change the result.
-        ordered = sorted(samples, key=lambda s: len(s.token_ids))
-        for start in range(0, len(ordered), cfg.micro_batch_size):
-            mb = MicroBatch.collate(ordered[start : start + cfg.micro_batch_size], self.pad_id, self.version)
-            mb_tokens = float(mb.mask.sum())
-            where = mb.mask.nonzero(as_tuple=True)
-            if not where[0].numel():  # nothing trained here (e.g. an episode over before any action)
+        # The sums use the step's global denominators, so the grouping does not change the result.
+        for group in self._micro_batches(samples):
+            cpu_mb = MicroBatch.collate(group, self.pad_id, self.version)
+            mb_tokens = float(cpu_mb.mask.sum())
+            # Found on the CPU, where the batch was built: no wait for the device.
+            where_cpu = cpu_mb.mask.nonzero(as_tuple=True)
+            if not where_cpu[0].numel():  # nothing trained here (e.g. an episode over before any action)
                 continue
+            mb = cpu_mb.to(self.device)
+            where = (where_cpu[0].to(self.device), where_cpu[1].to(self.device))
 
             def full(values_N: torch.Tensor, mb: MicroBatch = mb, where: tuple = where) -> torch.Tensor:
                 """[N] values at the trained positions -> [B, T] with zeros elsewhere (differentiable)."""
                 return torch.zeros_like(mb.mask, dtype=values_N.dtype).index_put(where, values_N)
 
-            logits_N = self._trained_logits(self.model, mb, where)[None]  # [1, N, V]
-            targets_N = mb.targets[where][None]
-            lp = full(token_logprobs(logits_N, targets_N, temperature=cfg.temperature)[0])
-            out = loss_fn(
-                LossInputs(
-                    logprobs=lp,
-                    mask=mb.mask,
-                    behaviour_logprobs=mb.behaviour_logprobs,
-                    advantages=mb.advantages,
-                ),
-                params,
-            )
-            loss = reduce(out.per_token, mb.mask)
-            bonus = lcfg.entropy_coef > 0
-            full_entropy_grad = bonus and not lcfg.entropy_top_k
-            entropy = full(
-                entropy_from_logits(logits_N if full_entropy_grad else logits_N.detach(), cfg.temperature)[0]
-            )
-            if bonus:
-                bonus_entropy = (
-                    full(top_k_entropy_from_logits(logits_N, lcfg.entropy_top_k, cfg.temperature)[0])
-                    if lcfg.entropy_top_k
-                    else entropy
+            # backward() inside the routing: gradient checkpointing re-runs the layers during it.
+            with self.policy.routing(mb.rows):
+                logits_N = self._trained_logits(self.model, mb, where, self.policy.routing)[None]  # [1, N, V]
+                targets_N = mb.targets[where][None]
+                lp = full(token_logprobs(logits_N, targets_N, temperature=cfg.temperature)[0])
+                out = loss_fn(
+                    LossInputs(
+                        logprobs=lp,
+                        mask=mb.mask,
+                        behaviour_logprobs=mb.behaviour_logprobs,
+                        advantages=mb.advantages,
+                    ),
+                    params,
                 )
-                loss = loss - lcfg.entropy_coef * reduce(bonus_entropy * mb.mask, mb.mask)
-                sums["entropy_bonus_term"] += float((bonus_entropy.detach() * mb.mask).sum())
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logits_N = self._trained_logits(self.ref_model, mb, where)[None]
-                if lcfg.kl_estimator == "exact_ref":
-                    kl = full(kl_ref_to_policy_exact(logits_N, ref_logits_N, cfg.temperature)[0])
-                else:
-                    ref_lp = full(token_logprobs(ref_logits_N, targets_N, cfg.temperature)[0])
-                    kl = KL_ESTIMATORS[lcfg.kl_estimator](lp, ref_lp)
-                loss = loss + lcfg.kl_coef * reduce(kl * mb.mask, mb.mask)
-                sums["kl"] += float((kl.detach() * mb.mask).sum())
-            loss.backward()
+                loss = reduce(out.per_token, mb.mask)
+                bonus = lcfg.entropy_coef > 0
+                full_entropy_grad = bonus and not lcfg.entropy_top_k
+                entropy_logits = logits_N if full_entropy_grad else logits_N.detach()
+                entropy = full(entropy_from_logits(entropy_logits, cfg.temperature)[0])
+                if bonus:
+                    bonus_entropy = (
+                        full(top_k_entropy_from_logits(logits_N, lcfg.entropy_top_k, cfg.temperature)[0])
+                        if lcfg.entropy_top_k
+                        else entropy
+                    )
+                    loss = loss - lcfg.entropy_coef * reduce(bonus_entropy * mb.mask, mb.mask)
+                    sums["entropy_bonus_term"] += float((bonus_entropy.detach() * mb.mask).sum())
+                if lcfg.kl_coef > 0:
+                    with torch.no_grad():
+                        ref_logits_N = self._reference_logits(mb, where)[None]
+                    if lcfg.kl_estimator == "exact_ref":
+                        kl = full(kl_ref_to_policy_exact(logits_N, ref_logits_N, cfg.temperature)[0])
+                    else:
+                        ref_lp = full(token_logprobs(ref_logits_N, targets_N, cfg.temperature)[0])
+                        kl = KL_ESTIMATORS[lcfg.kl_estimator](lp, ref_lp)
+                    loss = loss + lcfg.kl_coef * reduce(kl * mb.mask, mb.mask)
+                    sums["kl"] += float((kl.detach() * mb.mask).sum())
+                loss.backward()
 
             # Engine-vs-trainer parity where it must hold exactly: tokens of the trainer's own weights.
             current = mb.current & (mb.mask > 0)
-            if current.any():
+            if cpu_mb.current.any():
                 gap = float((lp.detach() - mb.behaviour_logprobs)[current].abs().max())
                 maxima["logprob_parity_max_abs"] = max(maxima.get("logprob_parity_max_abs", gap), gap)
-            sums["logprob_parity_token_frac"] += float(current.sum())
+            sums["logprob_parity_token_frac"] += float((cpu_mb.current & (cpu_mb.mask > 0)).sum())
             log_ratios.append((lp.detach() - mb.behaviour_logprobs)[where])
 
             sums["loss"] += float(loss.detach())  # reductions already use the step's global denominators
@@ -249,16 +320,46 @@ class Trainer:
             metrics.update(to_floats(step_gap_stats(torch.cat(log_ratios))))
         return metrics
 
+    def _reference_logits(self, mb: MicroBatch, where: tuple) -> torch.Tensor:
+        """The reference model's logits [N, V] at `where` (the base under LoRA, else the frozen copy)."""
+        with self.policy.reference_routing(mb.rows):
+            return self._trained_logits(
+                self.policy.reference_model(), mb, where, self.policy.reference_routing
+            )
+
+    @torch.no_grad()
+    def reference_logprobs(self, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+        """Per sample, [T] log p_ref(token_t | tokens_<t) at the trainer's temperature, 0 at t = 0 (aligned
+        with `TrainSample.behaviour_logprobs`), on the trainer's device. The reference is the base model
+        under LoRA, else the frozen copy a KL penalty keeps (UserError without one)."""
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        lengths = [len(s.token_ids) - 1 for s in samples]
+        for group in pack_by_tokens(lengths, self.config.micro_batch_tokens, self.config.micro_batch_size):
+            mb = MicroBatch.collate([samples[i] for i in group], self.pad_id).to(self.device)
+            model = self.policy.reference_model()
+            with self.policy.reference_routing(mb.rows), self._autocast():
+                logits = model(
+                    input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
+                ).logits.float()
+            lp = token_logprobs(logits, mb.targets, temperature=self.config.temperature)  # [B, T]
+            for row, i in enumerate(group):
+                out[i] = torch.cat([lp.new_zeros(1), lp[row, : lengths[i]]])
+        return [t for t in out if t is not None]
+
     def optim_step(self) -> dict[str, float]:
         """Clip, step, zero. Advances `version`."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        lr = lr_at(self.config, self.version)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        cfg = self.config
+        lr = lr_at(cfg, self.version)
+        step = OptimStep(
+            model_id="",
+            learning_rate=lr,
+            beta1=cfg.adam_beta1,
+            beta2=cfg.adam_beta2,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            grad_clip_norm=cfg.max_grad_norm,
+        )
+        grad_norm = float(self.policy.optim_step(step))
         self.version += 1
         return {"grad_norm": grad_norm, "lr": lr}
 
@@ -271,5 +372,11 @@ class Trainer:
         return metrics
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The current weights by Hugging Face name, detached (the engine copies what it keeps)."""
-        return {name: t.detach() for name, t in self.model.state_dict().items()}
+        """The current full weights by Hugging Face name, detached (the engine copies what it keeps); under
+        LoRA the merged W + (alpha / r) B A."""
+        return self.policy.weights()
+
+    def adapter_update(self) -> AdapterUpdate:
+        """The trained LoRA adapter (PEFT names), tagged with this version: what `set_adapter` takes, so a
+        weight sync ships only the adapter. UserError for full-parameter training."""
+        return self.policy.adapter_update(self.version)

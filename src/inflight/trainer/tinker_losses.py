@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inflight.api.engine_types import Datum, ForwardBackwardJob
 from inflight.errors import UserError
 from inflight.losses import LOSSES, LossFn, LossInputs, LossOutputs, LossParams
+from inflight.trainer.types import Datum, ForwardBackwardJob
 
 SUPPORTED_LOSSES: tuple[str, ...] = tuple(LOSSES)
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")

@@ -1,10 +1,11 @@
-"""One batched forward(/backward) over the jobs of one base model, whatever adapter each job uses.
+"""Tinker's forward_backward over an adapter set: one batched forward(/backward) over the jobs of one base
+model, whatever adapter each job uses.
 
-Datums of all jobs are sorted by length and cut into micro-batches of at most `max_batch_tokens` padded
-tokens; every micro-batch runs the model once with a per-row adapter plan, computes the Tinker loss of each
-job's rows (one call per loss and parameters) and back-propagates the sum of the training jobs' losses.
-Losses are sums, so micro-batching is exact gradient accumulation. Knows nothing of adapters' optimizers,
-requests or files.
+Datums of all jobs are cut into micro-batches of at most `max_batch_tokens` padded tokens
+(`micro_batches.pack_by_tokens`); every micro-batch runs the model once with a per-row adapter plan,
+computes the Tinker loss of each job's rows (one call per loss and parameters) and back-propagates the sum
+of the training jobs' losses. Losses are sums, so micro-batching is exact gradient accumulation. Knows
+nothing of adapters' optimizers, requests or files.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from inflight.api.engine_losses import PreparedJob, job_metrics, loss_outputs
-from inflight.api.engine_types import ForwardBackwardOutput
 from inflight.losses import LossParams, token_logprobs
 from inflight.models.lora import LoraPlan, LoraRouter
 from inflight.models.lora_adapter import LoraAdapter
+from inflight.trainer.micro_batches import pack_by_tokens
+from inflight.trainer.tinker_losses import PreparedJob, job_metrics, loss_outputs
+from inflight.trainer.types import ForwardBackwardOutput
 
 _ROW_KEYS = ("weights", "behaviour_logprobs", "advantages")
 
@@ -32,21 +34,6 @@ class FbWork:
 
     prepared: PreparedJob
     slot: int
-
-
-def micro_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
-    """Row indices grouped so that rows x longest length <= max_batch_tokens (a longer row goes alone).
-
-    Longest first, so similar lengths share a micro-batch and little compute goes to padding.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 def run_forward_backward(
@@ -62,7 +49,7 @@ def run_forward_backward(
     lengths = [work[w].prepared.datums[d].length for w, d in rows]
     logprobs: dict[tuple[int, int], Tensor] = {}
     losses: dict[tuple[int, int], Tensor] = {}
-    for batch in micro_batches(lengths, max_batch_tokens):
+    for batch in pack_by_tokens(lengths, max_batch_tokens):
         # Rows of one adapter side by side: the LoRA layers then run one matmul pair per adapter.
         batch_rows = sorted((rows[i] for i in batch), key=lambda row: work[row[0]].slot)
         lp, per_token = _run_micro_batch(model, router, slots, work, batch_rows, device)
@@ -108,8 +95,10 @@ def _run_micro_batch(
         logits = model(input_ids=input_ids).logits
         lp = token_logprobs(logits, targets)  # [b,T] float32; position i scores targets[i], no shift
         per_token, total = _losses(work, batch_rows, lp, row_values)
-    if total is not None and total.requires_grad:
-        total.backward()
+        # Inside the plan: with gradient checkpointing the backward pass re-runs layers, which must route
+        # each row to the same adapter as the forward did.
+        if total is not None and total.requires_grad:
+            total.backward()
     return lp.detach().cpu(), per_token.cpu()
 
 

@@ -1,11 +1,14 @@
-"""Adapter checkpoints on disk: a PEFT-style directory, written atomically, plus AdamW state for save_state.
+"""Adapter checkpoints on disk, the one format of every LoRA adapter inflight saves: a directory that
+`peft.PeftModel.from_pretrained` loads, plus AdamW state when asked.
 
 Layout of one checkpoint directory:
   adapter_model.safetensors   A/B per module under PEFT names (float32)
-  adapter_config.json         PEFT's LoraConfig fields (r, lora_alpha = 32, target_modules, base model)
-  optimizer.safetensors       save_state only: AdamW exp_avg / exp_avg_sq / step per parameter
-  inflight_state.json         what the engine needs to rebuild the adapter: kind, base model name, LoRA spec
-Knows nothing of requests or which adapter is live; the engine decides what to save and where.
+  adapter_config.json         PEFT's LoraConfig fields (r, lora_alpha, target_modules, base model)
+  optimizer.safetensors       with optimizer state: AdamW exp_avg / exp_avg_sq / step per parameter
+  inflight_state.json         the service's record to rebuild it: kind, base model name, LoRA spec
+The pipeline's run checkpoint (`checkpoint.py`) writes the first three with `write_adapter_files` inside its
+own crash-safe directory. Knows nothing of requests or which adapter is live; callers decide what to save
+and where.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from inflight.api.engine_types import LoraSpec
 from inflight.errors import UserError
-from inflight.models.lora_adapter import LORA_ALPHA, LoraAdapter, target_suffixes
+from inflight.models.lora_adapter import LoraAdapter, target_suffixes
+from inflight.trainer.types import LoraSpec
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -56,14 +59,23 @@ def write_checkpoint(
     """Write the checkpoint directory atomically (a temp dir renamed into place); returns bytes written."""
 
     def write(tmp: Path) -> None:
-        save_file(adapter.state_dict(), str(tmp / ADAPTER_FILE))
-        _write_json(tmp / CONFIG_FILE, _peft_config(adapter, base_source))
-        if optimizer is not None:
-            save_file(_optimizer_tensors(adapter, optimizer), str(tmp / OPTIMIZER_FILE))
+        write_adapter_files(tmp, adapter, base_source, optimizer)
         state = {"format_version": FORMAT_VERSION, **dataclasses.asdict(meta)}
         _write_json(tmp / STATE_FILE, state)
 
     return _atomic_dir(Path(path), write)
+
+
+def write_adapter_files(
+    directory: Path, adapter: LoraAdapter, base_source: str, optimizer: torch.optim.Optimizer | None
+) -> list[str]:
+    """The PEFT adapter (and the optimizer's moments, when given) into `directory`; returns the file names."""
+    save_file(adapter.state_dict(), str(directory / ADAPTER_FILE))
+    _write_json(directory / CONFIG_FILE, _peft_config(adapter, base_source))
+    if optimizer is None:
+        return [ADAPTER_FILE, CONFIG_FILE]
+    save_file(_optimizer_tensors(adapter, optimizer), str(directory / OPTIMIZER_FILE))
+    return [ADAPTER_FILE, CONFIG_FILE, OPTIMIZER_FILE]
 
 
 def read_meta(path: Path) -> CheckpointMeta:
@@ -131,7 +143,7 @@ def _peft_config(adapter: LoraAdapter, base_source: str) -> dict[str, Any]:
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": adapter.rank,
-        "lora_alpha": LORA_ALPHA,
+        "lora_alpha": adapter.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,

@@ -1,0 +1,51 @@
+"""One AdamW step with explicit hyper-parameters, for any set of parameters: the full model's or one
+adapter's. Callers own the optimizer; this owns what a step does (set, clip, step) and its checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from inflight.errors import UserError
+from inflight.trainer.types import OptimStep
+
+
+def check_optim_step(step: OptimStep) -> None:
+    """A UserError naming every hyper-parameter of `step` that AdamW cannot take."""
+    checks = [
+        (step.learning_rate >= 0, "learning_rate must be >= 0"),
+        (0 <= step.beta1 < 1 and 0 <= step.beta2 < 1, "beta1 and beta2 must lie in [0, 1)"),
+        (step.eps >= 0, "eps must be >= 0"),
+        (step.weight_decay >= 0, "weight_decay must be >= 0"),
+        (step.grad_clip_norm >= 0, "grad_clip_norm must be >= 0 (0 = no clipping)"),
+    ]
+    problems = [message for ok, message in checks if not ok]
+    values = (step.learning_rate, step.beta1, step.beta2, step.eps, step.weight_decay, step.grad_clip_norm)
+    if any(v != v or v in (float("inf"), float("-inf")) for v in values):
+        problems.append("hyper-parameters must be finite")
+    if problems:
+        raise UserError(f"optim_step for model {step.model_id!r}: {'; '.join(problems)}")
+
+
+def adamw_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], step: OptimStep) -> Tensor:
+    """torch.optim.AdamW exactly, with this step's hyper-parameters, after clipping the global gradient
+    norm of `params` to `step.grad_clip_norm` (0: no clipping). Returns the norm before clipping, on the
+    parameters' device (reading it is the caller's choice: it waits for the device). Gradients are left
+    for the caller to zero."""
+    check_optim_step(step)
+    for group in optimizer.param_groups:
+        group.update(
+            lr=step.learning_rate,
+            betas=(step.beta1, step.beta2),
+            eps=step.eps,
+            weight_decay=step.weight_decay,
+        )
+    grads = [p.grad for p in params if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads)
+    if step.grad_clip_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, step.grad_clip_norm, grad_norm)
+    optimizer.step()
+    return grad_norm

@@ -1,0 +1,64 @@
+"""The trainer's job and result types for adapter training, as both front ends hand them in: an adapter's
+shape (`LoraSpec`), Tinker's datums and forward_backward jobs, and an optimizer step's hyper-parameters.
+
+Plain dataclasses; the service decodes them from the wire (`api/jobs.py`, `api/proto.py`), the pipeline
+builds them from its config. Nothing here knows HTTP, models or files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inflight.models.lora_adapter import LORA_ALPHA
+
+
+@dataclass
+class LoraSpec:
+    rank: int = 32
+    seed: int | None = None  # adapter init; None = random
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+    # Tinker sends no alpha: scale = alpha / rank with alpha = 32, like Tinker and SkyRL.
+    alpha: float = LORA_ALPHA
+    # Module-name suffixes to train (e.g. ["q_proj", "v_proj"]); None = the train_* flags decide.
+    target_modules: list[str] | None = None
+
+
+@dataclass
+class Datum:
+    """Tinker's Datum after decoding."""
+
+    input_tokens: list[int]  # [T] model_input flattened (encoded_text chunks only)
+    # target_tokens, weights, logprobs, advantages: each flat [T] (len == len(input_tokens)). Position i of
+    # target_tokens is predicted from input_tokens[:i+1]: the client pre-shifts, the trainer never does.
+    loss_fn_inputs: dict[str, list[float] | list[int]]
+
+
+@dataclass
+class ForwardBackwardJob:
+    model_id: str  # the adapter the job trains (or, with backward=False, reads)
+    data: list[Datum]
+    loss_fn: str  # cross_entropy | importance_sampling | ppo | cispo
+    loss_fn_config: dict[str, float] | None = None  # ppo/cispo: clip_low_threshold, clip_high_threshold
+    backward: bool = True  # False: forward only (no gradient touched)
+
+
+@dataclass
+class ForwardBackwardOutput:
+    # Per datum: "logprobs" [T] (len == len(target_tokens)) and "elementwise_loss" [T].
+    loss_fn_outputs: list[dict[str, list[float]]]
+    metrics: dict[str, float]  # every key "name:reduction"; at least "loss:sum"
+
+
+@dataclass
+class OptimStep:
+    """One AdamW step's hyper-parameters (the service's clients send them per step)."""
+
+    model_id: str  # the adapter to step ("" for the full-parameter model)
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping

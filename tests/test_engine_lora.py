@@ -1,0 +1,289 @@
+"""The built-in engine's own side of LoRA, devices and prompt logprobs, beyond the backend contract
+(tests/test_engine_contract.py). References: the explicit per-row formula x W^T + scale * (x A^T) B^T for
+the masked-dense form; a Hugging Face forward with the adapter merged (W + scale * B @ A) for whole-engine
+numerics; `models/device.py` for device names. The `gpu` tests need CUDA and skip without it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from inflight.errors import UserError
+from inflight.inference import BuiltinEngine, BuiltinEngineConfig
+from inflight.inference.adapters import FusedAdapter, LoraStacks, parse_adapter
+from inflight.types import AdapterUpdate, SampleRequest, SamplingParams
+from test_engine_contract import (
+    VOCAB,
+    make_adapter,
+    merged,
+    prompts,
+    ref_logits,
+)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, rope_theta=5000.0,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def engine_for(model, **config) -> BuiltinEngine:
+    return BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=8, max_seq_len_tokens=64, **config))
+
+
+@pytest.mark.parametrize(
+    "rows,chunked",
+    [
+        ([None, 1, 0, 0, None, 1], False),  # scattered, base rows among them: masked-dense
+        ([1, 1, 0, 0], True),  # one equal run per adapter: chunked
+        ([0, 0, 0], True),  # a single adapter
+        ([0, 0, 1], False),  # unequal runs
+    ],
+)
+def test_lora_forms_equal_the_per_row_formula(rows: list[int | None], chunked: bool) -> None:
+    """Fused sites with parts (q/k/v-like), adapters of different ranks, one lacking a part and one lacking
+    a whole site, rows without an adapter; both forms (LoraBatch.add_ and .delta)."""
+    g = torch.Generator().manual_seed(0)
+    layout = {"qkv": [("q", 0, 6), ("k", 6, 4), ("v", 10, 4)], "down": [("d", 0, 5)]}
+    shapes = {"q": (8, 6), "k": (8, 4), "v": (8, 4), "d": (8, 5)}
+
+    def modules(rank: int, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {
+            n: (torch.randn(rank, 8, generator=g), torch.randn(shapes[n][1], rank, generator=g))
+            for n in names
+        }
+
+    specs = [(2, 0.5, modules(2, ["q", "v", "d"])), (5, 1.5, modules(5, ["q", "k", "v"]))]
+    fused = [
+        FusedAdapter.build(m, scale, layout, torch.float32, torch.device("cpu")) for _, scale, m in specs
+    ]
+    x = torch.randn(len(rows), 8, generator=g)
+    batch = LoraStacks(list(layout), torch.float32, torch.device("cpu")).batch(
+        [None if r is None else fused[r] for r in rows]
+    )
+    assert batch is not None and batch.chunked == chunked
+    for site, parts in layout.items():
+        width = sum(w for _, _, w in parts)
+        out = torch.zeros(len(rows), width)
+        batch.add_(out, site, x)
+        delta = batch.delta(site, x)
+        expected = torch.zeros(len(rows), width)
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            _, scale, mods = specs[r]
+            for name, start, w in parts:
+                if name in mods:
+                    a, b = mods[name]
+                    expected[i, start : start + w] = scale * (x[i] @ a.t()) @ b.t()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
+    assert LoraStacks(list(layout), torch.float32, torch.device("cpu")).batch([None, None]) is None
+
+
+def test_parse_adapter_names_the_module_and_the_fix(model) -> None:
+    shapes = {"model.layers.0.self_attn.q_proj": (64, 64)}
+    update = make_adapter(model, "x", rank=2, seed=0)
+    with pytest.raises(
+        ValueError, match=r"module 'model\.layers\.0\.mlp\.down_proj' is not a LoRA target.*q_proj"
+    ):
+        parse_adapter(update, shapes)
+    for bad, match in [
+        (AdapterUpdate("", 0, 2, 1.0, {}), "non-empty"),
+        (AdapterUpdate("x", 0, 0, 1.0, {"t": torch.zeros(1)}), "rank"),
+        (AdapterUpdate("x", 0, 2, 1.0, {"weird": torch.zeros(1)}), "PEFT"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            parse_adapter(bad, shapes)
+
+
+def test_recompute_after_an_adapter_replacement_continues_exactly_on_the_new_weights(model) -> None:
+    engine = engine_for(model, kv_policy="recompute")
+    a1, a2 = (
+        make_adapter(model, "a", rank=4, seed=1, version=1),
+        make_adapter(model, "a", rank=4, seed=2, version=2),
+    )
+    engine.set_adapter(a1)
+    prompt = prompts([6])[0]
+    request = SampleRequest(prompt, SamplingParams(max_tokens=8, temperature=0.0), adapter="a")
+    base = SampleRequest(prompts([4])[0], SamplingParams(max_tokens=8, temperature=0.0))
+    engine.add_request(base)
+    engine.add_request(request)
+    done = {}
+    for _ in range(3):
+        done.update((c.request_id, c) for c in engine.step())
+    engine.set_adapter(a2)
+    while engine.has_unfinished():
+        done.update((c.request_id, c) for c in engine.step())
+    out = done[request.request_id]
+    assert out.versions == [1] * 3 + [2] * 5
+    # With the prefix recomputed, every token after the switch is what v2 gives for the whole sequence.
+    logits = ref_logits(merged(model, a2), prompt + out.token_ids)[len(prompt) - 1 : -1]
+    assert out.token_ids[3:] == logits.argmax(-1).tolist()[3:]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    assert (torch.tensor(out.logprobs[3:]) - expected[3:]).abs().max() < 1e-4
+    m = engine.metrics()
+    assert m.adapter_updates_received == 2 and m.adapter_updates_applied == 1 and m.adapters_registered == 1
+    assert m.tokens_on_stale_kv == 0
+
+
+def test_removal_drops_a_pending_replacement(model) -> None:
+    engine = engine_for(model)
+    engine.set_adapter(make_adapter(model, "a", rank=4, seed=1, version=1))
+    request = SampleRequest(prompts([5])[0], SamplingParams(max_tokens=4, temperature=0.0), adapter="a")
+    engine.add_request(request)
+    engine.step()
+    engine.set_adapter(make_adapter(model, "a", rank=4, seed=2, version=2))
+    assert engine.adapters() == {"a": 2}
+    engine.remove_adapter("a")  # before any step installed v2: the row keeps v1
+    assert engine.adapters() == {}
+    done = {}
+    while engine.has_unfinished():
+        done.update((c.request_id, c) for c in engine.step())
+    assert done[request.request_id].versions == [1] * 4
+
+
+def test_a_waiting_request_keeps_its_adapter_after_removal(model) -> None:
+    engine = BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=1, max_seq_len_tokens=64))
+    engine.set_adapter(make_adapter(model, "a", rank=4, seed=1, version=3))
+    first = SampleRequest(prompts([5])[0], SamplingParams(max_tokens=3))
+    waiting = SampleRequest(prompts([5])[0], SamplingParams(max_tokens=3), adapter="a")
+    engine.add_request(first)
+    engine.add_request(waiting)  # no free row yet: it waits
+    engine.remove_adapter("a")
+    done = {}
+    while engine.has_unfinished():
+        done.update((c.request_id, c) for c in engine.step())
+    assert done[waiting.request_id].versions == [3] * 3
+
+
+def test_a_model_with_other_layer_names_refuses_their_adapters_clearly() -> None:
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, intermediate_size=128, num_attention_heads=4
+    )
+    torch.manual_seed(0)
+    neox = transformers.GPTNeoXForCausalLM(config).eval()
+    engine = engine_for(neox)
+    assert engine.runner == "hf"
+    update = AdapterUpdate(
+        "x",
+        0,
+        2,
+        1.0,
+        {"base_model.model.gpt_neox.layers.0.attention.dense.lora_A.weight": torch.zeros(2, 64)},
+    )
+    # Its attention and MLP layers have other names than Llama's: only the LM head can be adapted.
+    with pytest.raises(
+        ValueError, match=r"'gpt_neox\.layers\.0\.attention\.dense' is not a LoRA target.*lm_head"
+    ):
+        engine.set_adapter(update)
+    [out] = engine.generate([SampleRequest([1, 2, 3], SamplingParams(max_tokens=2))])  # still serves the base
+    assert len(out.token_ids) == 2
+
+
+def test_a_device_that_is_not_there_is_one_clear_error(model) -> None:
+    with pytest.raises(UserError, match=r"engine\.device='tpu'"):
+        engine_for(model, device="tpu")
+    assert engine_for(model, device="auto").device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match=r"engine\.device='cuda'.*no CUDA device.*cpu"):
+            engine_for(model, device="cuda")
+        with pytest.raises(UserError, match=r"engine\.device='cuda:1'"):
+            engine_for(model, device="cuda:1")
+
+
+def test_prompt_logprobs_come_from_the_prefill_pass(model, monkeypatch) -> None:
+    """No second forward over the prompt: full_logits (the separate pass) is never called."""
+    engine = engine_for(model)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a second forward over the prompt")
+
+    monkeypatch.setattr(engine._runner, "full_logits", forbidden)
+    [out] = engine.generate(
+        [SampleRequest(prompts([7])[0], SamplingParams(max_tokens=1), prompt_logprobs=True)]
+    )
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == 7
+
+
+@pytest.mark.parametrize("runner", ["fast", "hf"])
+def test_bfloat16_with_adapters_stays_close_to_the_float32_reference(model, runner) -> None:
+    engine = engine_for(model, dtype="bfloat16", runner=runner)
+    adapter = make_adapter(model, "a", rank=4, seed=1)
+    engine.set_adapter(adapter)
+    prompt = prompts([9])[0]
+    params = SamplingParams(max_tokens=6, seed=1, logprobs_kind="raw")
+    [out] = engine.generate([SampleRequest(prompt, params, adapter="a")])
+    logits = ref_logits(merged(model, adapter), prompt + out.token_ids)[len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    assert (torch.tensor(out.logprobs) - expected).abs().max() < 5e-2
+
+
+# ---- on a GPU --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("runner", ["fast", "hf"])
+@pytest.mark.parametrize("kind", ["sampled", "raw"])
+def test_on_cuda_logprobs_match_the_cpu_reference(model, runner, kind) -> None:
+    """Weights, cache and sampling on the GPU; held to the float32 CPU reference (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = BuiltinEngine(
+        model,
+        config=BuiltinEngineConfig(max_batch_size=8, max_seq_len_tokens=64, device="cuda", runner=runner),
+    )
+    assert engine.device.type == "cuda"
+    adapter = make_adapter(model, "a", rank=4, seed=1)
+    engine.set_adapter(adapter)
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=3, logprobs_kind=kind)
+    requests = [
+        SampleRequest(p, params, adapter=n, prompt_logprobs=True)
+        for p, n in zip(prompts([3, 9, 14]), [None, "a", "a"], strict=True)
+    ]
+    references = {None: model, "a": merged(model, adapter)}
+    for r, out in zip(requests, engine.generate(requests), strict=True):
+        ids = r.prompt_token_ids + out.token_ids
+        logits = ref_logits(references[r.adapter], ids)
+        gen = logits[len(r.prompt_token_ids) - 1 : -1]
+        token = torch.tensor(out.token_ids)[:, None]
+        expected = torch.log_softmax(gen if kind == "raw" else gen / 0.7, -1).gather(1, token).squeeze(1)
+        assert (torch.tensor(out.logprobs) - expected).abs().max() < 1e-3
+        prompt_expected = torch.log_softmax(logits[: len(r.prompt_token_ids) - 1], -1)
+        prompt_expected = prompt_expected.gather(1, torch.tensor(r.prompt_token_ids[1:])[:, None]).squeeze(1)
+        assert (torch.tensor(out.prompt_logprobs[1:]) - prompt_expected).abs().max() < 1e-3
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_seeded_tokens_do_not_depend_on_the_batch(model) -> None:
+    def engine() -> BuiltinEngine:
+        e = BuiltinEngine(
+            model, config=BuiltinEngineConfig(max_batch_size=8, max_seq_len_tokens=64, device="cuda")
+        )
+        e.set_adapter(make_adapter(model, "a", rank=4, seed=1))
+        return e
+
+    prompt, *others = prompts([6, 3, 11])
+    seeded = SampleRequest(prompt, SamplingParams(max_tokens=12, seed=42), adapter="a")
+    alone = engine().generate([copy.deepcopy(seeded)])[0].token_ids
+    mixed = [SampleRequest(p, SamplingParams(max_tokens=12)) for p in others]
+    assert engine().generate([mixed[0], seeded, mixed[1]])[1].token_ids == alone
