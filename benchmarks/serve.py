@@ -3,7 +3,7 @@ per-request overhead of the HTTP API (the unmodified `tinker` SDK against an in-
 direct in-process engine call.
 
 Batched vs serial: N adapters (LoRA rank R) each send one forward_backward job of K datums of T tokens.
-"batched" runs all N jobs in one `ServiceEngine.forward_backward` call (one pass, each row with its own
+"batched" runs all N jobs in one `ServiceCompute.forward_backward` call (one pass, each row with its own
 adapter); "serial" makes one call per job. Same engine, same jobs, same total work; best of --repeats
 after a warm-up, alternating. `ratio_batched_vs_serial` = serial seconds / batched seconds. The same
 comparison for sampling (one job of --samples sequences per adapter, through the service's sampler: the
@@ -81,21 +81,21 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    from inflight.api.engine import (
+    from inflight.api.compute import (
         Datum,
         ForwardBackwardJob,
         LoraSpec,
         SampleJob,
-        ServiceEngine,
-        ServiceEngineConfig,
+        ServiceCompute,
+        ServiceComputeConfig,
     )
 
     if args.model is None:
         from inflight.models import build_tiny
 
         args.model = str(build_tiny(tempfile.mkdtemp(prefix="inflight-bench-serve-"), preset="tiny"))
-    config = ServiceEngineConfig(seed=0, max_batch_tokens=args.max_batch_tokens, dtype=args.dtype)
-    engine = ServiceEngine({"bench": args.model}, max_rank=max(64, args.rank), config=config)
+    config = ServiceComputeConfig(seed=0, max_batch_tokens=args.max_batch_tokens, dtype=args.dtype)
+    engine = ServiceCompute({"bench": args.model}, max_rank=max(64, args.rank), config=config)
     vocab = engine.model_info("bench")["vocab_size"]
     generator = torch.Generator().manual_seed(1)
     jobs, sample_jobs = [], []
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def measure_api_overhead(engine: Any, model_dir: str, requests: int) -> dict[str, Any]:
     """{"api_ms_per_request", "direct_ms_per_request", "api_overhead_ms"}, or {"api_error": why}."""
-    from inflight.api.engine import Datum, ForwardBackwardJob, LoraSpec
+    from inflight.api.compute import Datum, ForwardBackwardJob, LoraSpec
 
     tokens = list(range(10, 42))
     engine.create_adapter("api-direct", "bench", LoraSpec(rank=8, seed=0))

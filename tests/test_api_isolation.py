@@ -29,15 +29,15 @@ from tinker.proto import tinker_public_pb2 as pb
 from inflight.api import worker as worker_module
 from inflight.api.app import BackgroundServer, create_app
 from inflight.api.checkpoints import CheckpointStore
-from inflight.api.db import Database, SamplingSessionRow, SessionRow, sqlite_url
-from inflight.api.engine import (
+from inflight.api.compute import (
     Datum,
     ForwardBackwardJob,
     LoraSpec,
     SampleJob,
-    ServiceEngine,
-    ServiceEngineConfig,
+    ServiceCompute,
+    ServiceComputeConfig,
 )
+from inflight.api.db import Database, SamplingSessionRow, SessionRow, sqlite_url
 from inflight.api.futures import FutureStore, RequestType
 from inflight.api.jobs import BaseModelLimits
 from inflight.api.sampler import build_sampler
@@ -49,9 +49,9 @@ VOCAB = 2048
 MARK = 7  # the prompt token that makes the injected fault fire for "its" job
 
 
-def _engine(model_dir: Path) -> ServiceEngine:
-    return ServiceEngine(
-        {BASE: str(model_dir)}, max_rank=8, config=ServiceEngineConfig(seed=0, dtype="float32")
+def _engine(model_dir: Path) -> ServiceCompute:
+    return ServiceCompute(
+        {BASE: str(model_dir)}, max_rank=8, config=ServiceComputeConfig(seed=0, dtype="float32")
     )
 
 
@@ -158,7 +158,7 @@ def test_top_k_beyond_the_vocabulary_samples_exactly_as_no_limit(server: Backgro
 
 
 @pytest.fixture
-def live(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[EngineWorker, FutureStore, ServiceEngine]]:
+def live(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[EngineWorker, FutureStore, ServiceCompute]]:
     """A real engine and futures database with the worker driven round by round (no HTTP)."""
     db = Database(sqlite_url(tmp_path / "service.db"))
     engine = _engine(tiny_model_dir)

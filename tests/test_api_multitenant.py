@@ -22,7 +22,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from inflight.api.app import BackgroundServer, create_app
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SamplingSessionRow, SessionRow, sqlite_url
-from inflight.api.engine_types import (
+from inflight.api.futures import FutureStore, RequestType
+from inflight.api.job_types import (
     ForwardBackwardJob,
     ForwardBackwardOutput,
     OptimStep,
@@ -30,7 +31,6 @@ from inflight.api.engine_types import (
     SampleJob,
     SampleOutput,
 )
-from inflight.api.futures import FutureStore, RequestType
 from inflight.api.jobs import BaseModelLimits
 from inflight.api.schemas import OptimStepRequest, SampleRequest
 from inflight.api.service import ServiceConfig
@@ -43,7 +43,7 @@ TENANTS = 4
 
 
 class RecordingEngine:
-    """Just enough of ServiceEngine to see which calls the worker makes, and with what."""
+    """Just enough of ServiceCompute to see which calls the worker makes, and with what."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[str]]] = []

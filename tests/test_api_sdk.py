@@ -1,5 +1,5 @@
 """The acceptance walk of the Tinker-compatible service, driven by the unmodified `tinker==0.38.0` SDK against
-a live uvicorn on a loopback port, computing on the real ServiceEngine over the tiny model.
+a live uvicorn on a loopback port, computing on the real ServiceCompute over the tiny model.
 
 Reference: /work/shared/reference/tinker-api.md §14 steps 1-12 (and §3 futures, §6 protobuf, §7 losses,
 §8 sampling, §9 checkpoint paths, §10 tokenizer_id). Expected numbers come from an independent local

@@ -8,6 +8,7 @@ regular file: the tests run as root, for whom chmod makes nothing unwritable.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -150,6 +151,28 @@ def test_run_empty_model_directory(capsys, tmp_path: Path, no_weights) -> None:
     empty.mkdir()
     line = one_line_error(capsys, *run(empty, tmp_path / "run"))
     assert str(empty) in line and "config.json" in line and "inflight model tiny" in line
+
+
+def test_run_model_that_is_not_a_causal_lm(capsys, tmp_path: Path, no_weights) -> None:
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5Model"]}))
+    line = one_line_error(capsys, *run(t5, tmp_path / "run"))
+    assert "holds a 't5' model, which is not a causal language model" in line
+
+
+def test_run_tokenizer_without_chat_template(
+    capsys, tiny_model_dir: Path, tmp_path: Path, no_weights
+) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in bare.glob("chat_template*"):
+        extra.unlink()
+    line = one_line_error(capsys, *run(bare, tmp_path / "run"))
+    assert "has no chat template" in line and "chat_template" in line
 
 
 def test_run_directory_is_a_file(capsys, tiny_model_dir: Path, a_file: Path, no_weights) -> None:

@@ -1,7 +1,8 @@
 """Value and gradient tests of the pure loss math against naive per-token references.
 
 References: Tinker loss docs (reference/tinker-api.md §7.3: cross_entropy, importance_sampling, ppo,
-cispo), Schulman "Approximating KL divergence" (2020) for k1/k2/k3, Yao et al. 2025 for truncated IS.
+cispo; Tinker's DRO page: -(lp*A - beta/2 (lp - q)^2), default beta 0.01),
+Schulman "Approximating KL divergence" (2020) for k1/k2/k3, Yao et al. 2025 for truncated IS.
 Advantages and reductions: tests/test_advantages.py; the other off-policy controls: tests/test_offpolicy.py.
 """
 
@@ -47,6 +48,7 @@ def naive_per_token(name: str, inputs: LossInputs) -> torch.Tensor:
             "importance_sampling": -r * a * w,
             "ppo": -min(r * a, min(max(r, 0.8), 1.2) * a) * w,
             "cispo": -min(max(r, 0.0), 4.0) * lp * a * w,
+            "dro": -(lp * a - 0.5 * 0.01 * (lp - q) ** 2) * w,
         }[name]
     return out
 
@@ -62,6 +64,8 @@ def naive_grad(name: str, inputs: LossInputs) -> torch.Tensor:
         return -r * a * w
     if name == "cispo":
         return -r.clamp(0.0, 4.0) * a * w
+    if name == "dro":
+        return (-a + 0.01 * (lp - inputs.behaviour_logprobs)) * w
     clipped = ((a > 0) & (r > 1.2)) | ((a < 0) & (r < 0.8))  # ppo: the min picks the flat branch
     return torch.where(clipped, 0.0, -r * a * w)
 
@@ -81,7 +85,7 @@ def test_value_and_gradient_match_the_naive_reference(name: str, seed: int) -> N
 
 
 # cispo is left out on purpose: its stop-gradient makes the gradient differ from the value's derivative.
-@pytest.mark.parametrize("name", ["cross_entropy", "importance_sampling", "ppo"])
+@pytest.mark.parametrize("name", ["cross_entropy", "importance_sampling", "ppo", "dro"])
 def test_gradcheck_float64(name: str) -> None:
     inputs = random_inputs(2, shape=(2, 3))
 
@@ -123,11 +127,27 @@ def test_on_policy_ppo_equals_importance_sampling() -> None:
     assert ppo.metrics["clip_fraction"] == 0.0 and ppo.metrics["ess"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo"])
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "dro"])
 @pytest.mark.parametrize("missing", ["behaviour_logprobs", "advantages"])
 def test_missing_rl_inputs_raise_naming_the_input(name: str, missing: str) -> None:
     with pytest.raises(ValueError, match=missing):
         LOSSES[name](replace(random_inputs(), **{missing: None}), LossParams())  # type: ignore[arg-type]
+
+
+def test_dro_beta_and_zero_advantage_penalty() -> None:
+    # One token, hand-computed: lp = -1, q = -2, A = 0.5, w = 2, beta = 0.3:
+    # loss = -(lp*A - beta/2 (lp-q)^2) * w = -(-0.5 - 0.15) * 2 = 1.3; d/dlp = (-A + beta (lp-q)) w = -0.4.
+    lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    one = torch.ones((1, 1), dtype=torch.float64)
+    inputs = LossInputs(lp, 2 * one, -2 * one, 0.5 * one)
+    loss = LOSSES["dro"](inputs, LossParams(beta=0.3)).per_token.sum()
+    assert loss.item() == pytest.approx(1.3)
+    assert torch.autograd.grad(loss, lp)[0].item() == pytest.approx(-0.4)
+    # Unlike importance_sampling, a token with A = 0 still pays the penalty (and gets its gradient).
+    still = LOSSES["dro"](replace(inputs, advantages=0 * one), LossParams(beta=0.3)).per_token
+    assert still.item() == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="beta"):
+        LOSSES["dro"](inputs, LossParams(beta=-1.0))
 
 
 def test_metrics_hand_computed() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from inflight.api.engine import (
+from inflight.api.compute import (
     Datum,
     ForwardBackwardJob,
     ForwardBackwardOutput,
@@ -23,8 +23,8 @@ from inflight.api.engine import (
     OptimStep,
     SampleJob,
     SampleOutput,
-    ServiceEngine,
-    ServiceEngineConfig,
+    ServiceCompute,
+    ServiceComputeConfig,
 )
 from inflight.api.sampler import Sampler, build_sampler
 from inflight.errors import UserError
@@ -34,13 +34,13 @@ VOCAB = 2048
 EOS = 2
 
 
-def _engine(model_dir: Path, **config) -> ServiceEngine:
+def _engine(model_dir: Path, **config) -> ServiceCompute:
     config = {"seed": 0, "dtype": "float32", "sample_kv_cache_mb": 64, **config}
-    return ServiceEngine({"tiny": str(model_dir)}, max_rank=32, config=ServiceEngineConfig(**config))
+    return ServiceCompute({"tiny": str(model_dir)}, max_rank=32, config=ServiceComputeConfig(**config))
 
 
 @pytest.fixture
-def engine(tiny_model_dir: Path) -> ServiceEngine:
+def engine(tiny_model_dir: Path) -> ServiceCompute:
     return _engine(tiny_model_dir)
 
 
@@ -62,14 +62,14 @@ def _ok(result: ForwardBackwardOutput | Exception) -> ForwardBackwardOutput:
     return result
 
 
-def _forward_logprobs(engine: ServiceEngine, model_id: str, tokens: list[int]) -> list[float]:
+def _forward_logprobs(engine: ServiceCompute, model_id: str, tokens: list[int]) -> list[float]:
     out = engine.forward_backward(
         [ForwardBackwardJob(model_id, [_datum(tokens)], "cross_entropy", backward=False)]
     )
     return _ok(out[0]).loss_fn_outputs[0]["logprobs"]
 
 
-def _train(engine: ServiceEngine, model_id: str, steps: int, lr: float = 0.02, seed: int = 0) -> None:
+def _train(engine: ServiceCompute, model_id: str, steps: int, lr: float = 0.02, seed: int = 0) -> None:
     for step in range(steps):
         data = [_datum(_tokens(12, seed * 100 + step)), _datum(_tokens(7, seed * 100 + step + 50))]
         _ok(engine.forward_backward([ForwardBackwardJob(model_id, data, "cross_entropy")])[0])
@@ -77,7 +77,7 @@ def _train(engine: ServiceEngine, model_id: str, steps: int, lr: float = 0.02, s
 
 
 @contextlib.contextmanager
-def _sampler(engine: ServiceEngine) -> Iterator[Sampler]:
+def _sampler(engine: ServiceCompute) -> Iterator[Sampler]:
     sampler = build_sampler(engine.sampling_engines()).start()
     try:
         yield sampler
@@ -85,7 +85,7 @@ def _sampler(engine: ServiceEngine) -> Iterator[Sampler]:
         sampler.stop()
 
 
-def _sample(engine: ServiceEngine, *jobs: SampleJob) -> list[SampleOutput]:
+def _sample(engine: ServiceCompute, *jobs: SampleJob) -> list[SampleOutput]:
     """The jobs submitted together, as the worker hands a round's samples to the sampler; a model's live
     adapter is registered under its own name first, as save_weights_for_sampler registers a snapshot."""
     with _sampler(engine) as sampler:
@@ -149,7 +149,7 @@ def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(tiny_model_dir
     assert [s.tokens for s in chunked.sequences] == tokens
 
 
-def _saved(engine: ServiceEngine, model_id: str, tmp_path: Path) -> Path:
+def _saved(engine: ServiceCompute, model_id: str, tmp_path: Path) -> Path:
     engine.save_state(model_id, tmp_path / model_id, include_optimizer=False)
     return tmp_path / model_id
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import inspect
+import json
 import socket
 import tempfile
 from pathlib import Path
@@ -136,10 +137,46 @@ def check_model_dir(name_or_path: str) -> None:
     from inflight.models.loader import resolve
 
     local = Path(resolve(name_or_path))  # UserError for a path that does not exist or is a file
-    if local.is_dir() and not (local / "config.json").is_file():
+    if not local.is_dir():
+        return
+    if not (local / "config.json").is_file():
         raise UserError(
             f"model directory {str(local)!r} has no config.json, so it holds no Hugging Face model: "
             f"build one with `inflight model tiny --out {local}`"
+        )
+    check_causal_lm(local)
+
+
+def check_causal_lm(local: Path) -> None:
+    """The directory's model type is one transformers loads as a causal LM (what inflight trains and samples);
+    an encoder such as BERT is refused here, before any weight is read."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        model_type = json.loads((local / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise UserError(
+            f"model directory {str(local)!r}: config.json is unreadable: {_reason(exc)}"
+        ) from None
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(
+            f"model directory {str(local)!r} holds a {model_type!r} model, which is not a causal language "
+            "model: inflight trains and samples decoder LMs (Qwen2/2.5/3, Llama, Mistral, GPT-NeoX, any "
+            "AutoModelForCausalLM type)"
+        )
+
+
+def check_chat_template(name_or_path: str) -> None:
+    """Runs format turns with the tokenizer's own chat template: one that has none is refused before the
+    weights load (reading a tokenizer is cheap)."""
+    from inflight.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(name_or_path)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(
+            f"the tokenizer of {name_or_path!r} has no chat template, and runs format every turn with the "
+            "model's own: use a chat/instruct model's tokenizer, or add `chat_template` to its "
+            "tokenizer_config.json"
         )
 
 
@@ -215,6 +252,7 @@ def check_run(cfg: RunConfig, env_name: str = "", env_factory: Any = None) -> No
     resolve_device(cfg.trainer.device, "trainer.device")
     if cfg.model.path:
         check_model_dir(cfg.model.path)
+        check_chat_template(cfg.model.path)
     if cfg.env.name:
         check_env(cfg.env.name, cfg.env.kwargs)
     elif env_factory is not None:

@@ -1,9 +1,9 @@
 """The Tinker-compatible service: `create_app` (FastAPI, testable in-process) and `serve` (`inflight serve`).
 
 Wires the pieces, nothing more: routes (routes_*.py) validate and write futures; the worker (worker.py) owns
-the ServiceEngine and runs them; the database (db.py) and checkpoint store hold what survives a restart.
+the ServiceCompute and runs them; the database (db.py) and checkpoint store hold what survives a restart.
 
-    SDK ──HTTP──▶ routes ──▶ futures table ◀── EngineWorker ──▶ ServiceEngine (LoRA adapters on base models)
+    SDK ──HTTP──▶ routes ──▶ futures table ◀── EngineWorker ──▶ ServiceCompute (LoRA adapters on base models)
                     ▲             │                  │
                     └─ long-poll ─┴── CompletionBoard ◀┘
 """
@@ -46,7 +46,7 @@ from inflight.types import DtypeName
 if TYPE_CHECKING:
     import uvicorn
 
-    from inflight.api.engine import ServiceEngine
+    from inflight.api.compute import ServiceCompute
     from inflight.api.sampler import Sampler
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ _STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int], ...] =
 
 
 def create_app(
-    config: ServiceConfig, *, engine: ServiceEngine | None = None, worker_config: WorkerConfig | None = None
+    config: ServiceConfig, *, engine: ServiceCompute | None = None, worker_config: WorkerConfig | None = None
 ) -> FastAPI:
     """The app; its lifespan opens the database, loads the base models (unless `engine` is given) and runs
     the worker thread until shutdown."""
@@ -92,7 +92,7 @@ def create_app(
 
 
 def _start(
-    config: ServiceConfig, engine: ServiceEngine | None, worker_config: WorkerConfig | None
+    config: ServiceConfig, engine: ServiceCompute | None, worker_config: WorkerConfig | None
 ) -> tuple[ServiceState, EngineWorker, Sampler]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     if engine is None:
@@ -128,13 +128,14 @@ def _start(
         wake_worker=worker.wake,
         counters=worker.stats,
         archive_signer=ArchiveSigner(),
+        cancel_sample=worker.cancel_sample,
     )
     sampler.start()
     worker.start()
     return state, worker, sampler
 
 
-def _base_model_info(engine: ServiceEngine, name: str) -> BaseModelInfo:
+def _base_model_info(engine: ServiceCompute, name: str) -> BaseModelInfo:
     info: dict[str, Any] = engine.model_info(name)
     return BaseModelInfo(
         name=name,
@@ -202,14 +203,14 @@ def serve(
         serve_on(sock, app, host, port, log_level="info")
 
 
-def load_engine(config: ServiceConfig) -> ServiceEngine:
+def load_engine(config: ServiceConfig) -> ServiceCompute:
     """The base models of `config`, loaded (torch + transformers are imported here, not at import time)."""
-    from inflight.api.engine import ServiceEngine, ServiceEngineConfig
+    from inflight.api.compute import ServiceCompute, ServiceComputeConfig
 
-    return ServiceEngine(
+    return ServiceCompute(
         config.base_models,
         max_rank=config.max_lora_rank,
-        config=ServiceEngineConfig(dtype=config.dtype, device=config.device),
+        config=ServiceComputeConfig(dtype=config.dtype, device=config.device),
     )
 
 

@@ -63,6 +63,13 @@ class SeqIdConflictError(UserError, ValueError):
     """A (model_id, seq_id) was submitted again with a different request (routes answer 400, never 409)."""
 
 
+class FutureFinishedError(UserError):
+    """cancel_future on a future that already finished (routes answer 400: nothing is left to stop)."""
+
+
+CANCELLED_ERROR = "cancelled by the client (cancel_future)"
+
+
 class FutureStateError(RuntimeError):
     """An engine bug: finishing a future that is not in the state the transition needs."""
 
@@ -189,6 +196,30 @@ class FutureStore:
     def fail(self, request_id: str, error: str, category: ErrorCategory) -> Future:
         """Fail a pending or running future; the SDK raises RequestFailedError(category) for it."""
         return self._finish(request_id, ("pending", "running"), status="failed", error=(error, category))
+
+    def cancel(self, request_id: str) -> Future:
+        """Fail a pending or running sample with CANCELLED_ERROR (category user); idempotent once cancelled.
+
+        Only samples: they read frozen weights and nothing waits on their seq_id, whereas cancelling a
+        training request would leave its effects half-applied. The caller stops the running work.
+        """
+        with self.db.write() as session:
+            row = self._row(session, request_id, for_update=True)
+            if row.request_type != RequestType.SAMPLE.value:
+                raise UserError(
+                    f"request {request_id} is a {row.request_type} request; only sample requests can be "
+                    "cancelled (training requests run in seq_id order and their effects cannot be undone)"
+                )
+            if row.status in ("done", "failed"):
+                if row.error == CANCELLED_ERROR:  # a retried cancel: already in effect
+                    return _to_future(row)
+                raise FutureFinishedError(
+                    f"request {request_id} already finished ({row.status}); only a pending or running "
+                    "sample can be cancelled"
+                )
+            row.status, row.error, row.error_category = "failed", CANCELLED_ERROR, "user"
+            row.finished_at = utcnow()
+            return _to_future(row)
 
     def fail_pending(self, model_id: str, error: str, category: ErrorCategory) -> list[Future]:
         """Fail every pending future of one model, e.g. when its live state is lost or it is deleted."""

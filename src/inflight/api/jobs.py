@@ -1,14 +1,14 @@
 """JSON wire requests -> engine jobs (LoraSpec, OptimStep, SampleJob), with the checks a route makes before
 accepting a request and the worker repeats when it builds the job.
 
-Pure functions over `schemas` and `engine_types`; protobuf requests are `proto`'s business.
+Pure functions over `schemas` and `job_types`; protobuf requests are `proto`'s business.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.api.engine_types import LoraSpec, OptimStep, SampleJob
+from inflight.api.job_types import LoraSpec, OptimStep, SampleJob
 from inflight.api.schemas import AdamParams, LoraConfig, OptimStepRequest, SampleRequest
 from inflight.errors import UserError
 

@@ -15,8 +15,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from inflight.api.engine_types import Datum, ForwardBackwardJob, ForwardBackwardOutput, SampleOutput
 from inflight.api.ids import check_model_id
+from inflight.api.job_types import Datum, ForwardBackwardJob, ForwardBackwardOutput, SampleOutput
 from inflight.api.schemas import ForwardBackwardInput, TensorData
 from inflight.errors import UserError
 
@@ -101,12 +101,18 @@ def forward_backward_job(message: pb.ForwardBackwardRequest, *, vocab_size: int)
         raise ProtoError("loss_fn is empty: name a loss such as 'cross_entropy'")
     if not message.data:
         raise ProtoError("data is empty: a forward_backward request needs at least one datum")
+    from inflight.trainer.tinker_losses import loss_params  # torch: loaded once the service runs
+
+    config = _loss_fn_config(message)
+    # The loss name and every loss_fn_config key are checked here, at submission: a typo'd key fails its
+    # request at once (naming the key and the accepted ones) instead of being silently ignored.
+    loss_params(message.loss_fn, config)
     data = [_datum(i, datum, vocab_size) for i, datum in enumerate(message.data)]
     return ForwardBackwardJob(
         model_id=message.model_id,
         data=data,
         loss_fn=message.loss_fn,
-        loss_fn_config=_loss_fn_config(message),
+        loss_fn_config=config,
         backward=not message.forward_only,
     )
 

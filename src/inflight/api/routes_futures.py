@@ -1,4 +1,5 @@
-"""retrieve_future: the long-poll every SDK call ends in (spec §3).
+"""retrieve_future: the long-poll every SDK call ends in (spec §3); cancel_future: the SDK's stop of a
+sample it abandoned (a pending one never runs, a running one leaves the engine at its next step).
 
 Hold a pending future up to `long_poll_hold_s` (~25 s, below the SDK's 45 s timeout), waking as soon as the
 worker finishes it, then answer `try_again` (the SDK re-polls at once). Results go out as stored: protobuf
@@ -16,7 +17,12 @@ from fastapi.responses import JSONResponse, Response
 
 from inflight.api.futures import Future, RequestType
 from inflight.api.proto import PROTO_CONTENT_TYPE
-from inflight.api.schemas import FutureRetrieveRequest, TryAgainResponse, unfinished_or_failed
+from inflight.api.schemas import (
+    CancelFutureRequest,
+    FutureRetrieveRequest,
+    TryAgainResponse,
+    unfinished_or_failed,
+)
 from inflight.api.service import StateDep
 
 router = APIRouter(prefix="/api/v1")
@@ -41,6 +47,17 @@ async def retrieve_future(body: FutureRetrieveRequest, state: StateDep) -> Respo
                 return JSONResponse(TryAgainResponse(request_id=future.request_id).model_dump(mode="json"))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(finished.wait(), min(remaining, RECHECK_S))
+
+
+@router.post("/cancel_future")
+def cancel_future(body: CancelFutureRequest, state: StateDep) -> dict[str, str]:
+    """Cancel a pending or running sample: 404 unknown id, 400 finished or not a sample, idempotent.
+
+    The database first (the cancel is then final: a result arriving later is dropped), then the engine."""
+    future = state.store.cancel(body.request_id)
+    state.cancel_sample(future.request_id)
+    state.board.notify(future.request_id)  # long-polls answer the cancellation at once
+    return {"request_id": future.request_id, "status": "cancelled"}
 
 
 def _answer(future: Future) -> Response:

@@ -35,8 +35,8 @@ def client_config() -> ClientConfigResponse:
 
 @router.post("/client/dynamic_config")
 def dynamic_config() -> dict[str, Any]:
-    # Cancellation would need /cancel_future, which is not served.
-    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+    # The SDK sends /cancel_future for a sampling future it abandons (routes_futures.py).
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
 
 
 @router.get("/healthz")

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from inflight.api.engine_types import SampledSequence, SampleJob, SampleOutput
+from inflight.api.job_types import SampledSequence, SampleJob, SampleOutput
 from inflight.errors import UserError
 from inflight.inference.builtin import BuiltinEngine
 from inflight.inference.engine_loop import EngineLoop
@@ -52,6 +52,9 @@ class Sampler:
         self._loops = dict(loops)
         self._limits = dict(limits)
         self._adapters: dict[str, str] = {}  # sampler key -> its base model
+        # Jobs submitted under a key and not yet settled, so `cancel(key)` can abort their engine requests.
+        self._jobs: dict[str, _Gather] = {}
+        self._jobs_lock = threading.Lock()  # cancel comes from route threads, settling from loop threads
 
     def start(self) -> Sampler:
         for loop in self._loops.values():
@@ -84,8 +87,21 @@ class Sampler:
         if base_model is not None:
             self._loops[base_model].engine.remove_adapter(key)
 
-    def submit(self, job: SampleJob) -> concurrent.futures.Future[SampleOutput]:
-        """Validate `job` and queue its sequences; a bad job raises UserError here, before anything runs."""
+    def cancel(self, key: str) -> bool:
+        """Abort the job submitted under `key` (any thread): its future fails with SampleCancelledError at
+        once and the engine drops its sequences at its next step, freeing their rows. False if no such
+        job is in flight (never submitted, or already settled)."""
+        with self._jobs_lock:
+            gather = self._jobs.pop(key, None)
+        if gather is None:
+            return False
+        gather.cancel()
+        return True
+
+    def submit(self, job: SampleJob, key: str | None = None) -> concurrent.futures.Future[SampleOutput]:
+        """Validate `job` and queue its sequences; a bad job raises UserError here, before anything runs.
+
+        A `key` (the worker uses the future's request id) lets `cancel(key)` abort the job later."""
         loop = self._loop(job.base_model)
         if job.weights is not None:
             owner = self._adapters.get(job.weights)
@@ -107,12 +123,25 @@ class Sampler:
             for request_id in submitted:
                 loop.engine.abort(request_id)
             raise UserError(f"sample: {exc}") from exc
+        if key is not None:
+            with self._jobs_lock:
+                self._jobs[key] = gather
+            out.add_done_callback(functools.partial(self._forget, key, gather))
         return out
+
+    def _forget(self, key: str, gather: _Gather, _: concurrent.futures.Future[SampleOutput]) -> None:
+        with self._jobs_lock:
+            if self._jobs.get(key) is gather:
+                del self._jobs[key]
 
     def _loop(self, base_model: str) -> EngineLoop:
         if base_model not in self._loops:
             raise UserError(f"unknown base model {base_model!r}; this server has: {', '.join(self._loops)}")
         return self._loops[base_model]
+
+
+class SampleCancelledError(RuntimeError):
+    """The job was cancelled (`Sampler.cancel`); whoever cancelled it has recorded that already."""
 
 
 class _Gather:
@@ -132,6 +161,15 @@ class _Gather:
         self._results: list[Completion | None] = [None] * len(requests)
         self._left = len(requests)
         self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        """Fail the job now and abort every one of its engine requests (the engine frees their rows)."""
+        with self._lock:
+            if self._out.done():
+                return
+            self._out.set_exception(SampleCancelledError("sample cancelled"))
+        for request_id in self._request_ids:
+            self._loop.engine.abort(request_id)
 
     def done(self, i: int, future: concurrent.futures.Future[Completion]) -> None:
         error = future.exception() if not future.cancelled() else RuntimeError("sample request cancelled")

@@ -199,6 +199,12 @@ class FutureRetrieveRequest(WireRequest):
     allow_metadata_only: bool = False
 
 
+class CancelFutureRequest(WireRequest):
+    """The SDK's cancel of an abandoned sample (sent only while dynamic config's sample_cancel_enabled)."""
+
+    request_id: str = Field(min_length=1)
+
+
 class TryAgainResponse(WireResponse):
     type: Literal["try_again"] = "try_again"
     request_id: str

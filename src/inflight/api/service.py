@@ -41,7 +41,7 @@ class ServiceConfig(BaseModel):
     long_poll_hold_s: float = Field(default=25.0, gt=0)
     max_request_bytes: int = Field(default=64 * 2**20, ge=1024)
     max_lora_rank: int = Field(default=64, ge=1)
-    dtype: DtypeName = "auto"  # base weights: see ServiceEngineConfig.dtype
+    dtype: DtypeName = "auto"  # base weights: see ServiceComputeConfig.dtype
     device: str = "auto"  # auto (CUDA when there is one, else cpu), cpu, cuda, cuda:N: everything runs there
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
     max_num_samples: int = Field(default=256, ge=1)  # per sample request
@@ -128,6 +128,8 @@ class ServiceState:
     wake_worker: Callable[[], None]  # the routes' nudge after a submit, so the worker need not poll
     counters: Callable[[], Mapping[str, int]]  # the worker's counts, for /server_stats
     archive_signer: ArchiveSigner  # signs and checks checkpoint download links (one secret per process)
+    # Stops a cancelled sample's engine work (the worker's `cancel_sample`); any thread.
+    cancel_sample: Callable[[str], None] = lambda request_id: None
 
     def base_model(self, name: str) -> BaseModelInfo:
         info = self.base_models.get(name)

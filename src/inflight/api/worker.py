@@ -1,4 +1,4 @@
-"""The engine loop: one thread owns the ServiceEngine, claims ready futures, batches them and writes results.
+"""The engine loop: one thread owns the ServiceCompute, claims ready futures, batches them and writes results.
 
 One round (`run_once`), schedule -> execute -> update:
   1. claim the head of every model whose next seq_id is ready: one future per model per round, so each
@@ -36,7 +36,7 @@ from sqlalchemy.exc import IntegrityError
 from inflight.api import jobs
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SamplingSessionRow, SessionRow, utcnow
-from inflight.api.futures import Future, FutureStore, RequestType
+from inflight.api.futures import Future, FutureStateError, FutureStore, RequestType
 from inflight.api.ids import CheckpointKind, checkpoint_path, new_sampling_session_id, parse_model_id
 from inflight.api.proto import (
     encode_forward_backward_output,
@@ -44,7 +44,7 @@ from inflight.api.proto import (
     forward_backward_job,
     parse_forward_backward,
 )
-from inflight.api.sampler import Sampler
+from inflight.api.sampler import SampleCancelledError, Sampler
 from inflight.api.schemas import (
     CreateModelRequest,
     CreateModelResponse,
@@ -61,8 +61,8 @@ from inflight.api.schemas import (
 from inflight.errors import UserError
 
 if TYPE_CHECKING:
-    from inflight.api.engine import ServiceEngine
-    from inflight.api.engine_types import ForwardBackwardJob, SampleOutput
+    from inflight.api.compute import ServiceCompute
+    from inflight.api.job_types import ForwardBackwardJob, SampleOutput
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ModelUnavailableError(RuntimeError):
 class EngineWorker:
     def __init__(
         self,
-        engine: ServiceEngine,
+        engine: ServiceCompute,
         sampler: Sampler,
         db: Database,
         checkpoints: CheckpointStore,
@@ -129,6 +129,8 @@ class EngineWorker:
         self._sampling: set[str] = set()
         # Filled by the engine loops' threads, drained by this one.
         self._sampled: queue.SimpleQueue[_Sampled] = queue.SimpleQueue()
+        # Sample request ids cancelled by routes; re-applied after each round's submissions (see `cancel`).
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -170,6 +172,25 @@ class EngineWorker:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def cancel_sample(self, request_id: str) -> None:
+        """From a route thread, after the future was marked cancelled: stop its engine work now.
+
+        The sampler aborts the job at once if it holds it; the id is also queued for this worker's
+        thread, which re-applies it after its next submissions, covering a sample claimed but not yet
+        handed to the engine when the cancel came."""
+        self.sampler.cancel(request_id)
+        self._cancels.put(request_id)
+        self._wake.set()
+
+    def _apply_cancels(self) -> None:
+        while True:
+            try:
+                request_id = self._cancels.get_nowait()
+            except queue.Empty:
+                return
+            if self.sampler.cancel(request_id):
+                self._count("samples_aborted")
 
     def _loop(self) -> None:
         last_housekeeping = time.monotonic()
@@ -213,6 +234,7 @@ class EngineWorker:
         self._held.update(f.request_id for f in samples)
         if samples:
             self._submit_samples(samples)
+        self._apply_cancels()
         return len(heads) + len(samples) + sampled
 
     def housekeeping(self) -> None:
@@ -252,6 +274,10 @@ class EngineWorker:
             outcome = work
         try:
             self._record(future, outcome)
+        except FutureStateError:
+            # Finished meanwhile by someone else (a client's cancel_future raced the result): theirs stands.
+            log.info("request %s finished before its outcome came; outcome dropped", future.request_id)
+            self._count("outcomes_dropped_finished")
         except Exception:  # e.g. a result too large for its column: fail it rather than leave it running
             log.exception("could not record the outcome of request %s", future.request_id)
             self._count("failed_server")
@@ -453,7 +479,7 @@ class EngineWorker:
                     max_num_samples=self.config.max_num_samples,
                     max_topk_logprobs=self.config.max_topk_logprobs,
                 )
-                pending = self.sampler.submit(job)
+                pending = self.sampler.submit(job, key=future.request_id)
             except Exception as err:
                 self._settle(future, err)
                 continue
@@ -478,8 +504,13 @@ class EngineWorker:
             except queue.Empty:
                 return settled
             self._sampling.discard(future.request_id)
-            self._held.add(future.request_id)  # _settle releases it
             error = done.exception()
+            if isinstance(error, SampleCancelledError):  # the route recorded the cancel already
+                self._count("samples_cancelled")
+                self.on_finished(future.request_id)
+                settled += 1
+                continue
+            self._held.add(future.request_id)  # _settle releases it
             if error is not None:
                 self._settle(future, error)
             else:

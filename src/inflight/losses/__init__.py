@@ -22,6 +22,7 @@ from inflight.losses.offpolicy import (
 )
 from inflight.losses.policy import (
     CLIP_DEFAULTS,
+    DRO_DEFAULT_BETA,
     LOSSES,
     LossFn,
     LossInputs,
@@ -29,6 +30,7 @@ from inflight.losses.policy import (
     LossParams,
     cispo,
     cross_entropy,
+    dro,
     importance_sampling,
     ppo,
 )
@@ -37,6 +39,7 @@ from inflight.losses.reductions import REDUCTIONS, Reduction, reduce_loss
 __all__ = [
     "ADVANTAGE_METHODS",
     "CLIP_DEFAULTS",
+    "DRO_DEFAULT_BETA",
     "KL_ESTIMATORS",
     "LOSSES",
     "OFFPOLICY_CONTROLS",
@@ -55,6 +58,7 @@ __all__ = [
     "batch_group_advantages",
     "cispo",
     "cross_entropy",
+    "dro",
     "entropy_from_logits",
     "group_advantages",
     "importance_sampling",

@@ -5,6 +5,7 @@ Pure tensors in and out; knows nothing of models, micro-batches or how the per-t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +17,9 @@ from inflight.losses.offpolicy import OFFPOLICY_CONTROLS, OffPolicyKind, offpoli
 
 # Per-loss defaults of Tinker's `loss_fn_config` ratio thresholds (reference/tinker-api.md §7.3).
 CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+# DRO's quadratic-penalty coefficient when `loss_fn_config` has no "beta". Tinker's DRO page shows only a
+# custom value (0.05); 0.01 is the default of the published reference `dro_loss(loss_fn_inputs, config)`.
+DRO_DEFAULT_BETA = 0.01
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class LossParams:
 
     clip_low_threshold: float | None = None  # ratio threshold (not epsilon): ppo 0.8, cispo 0.0
     clip_high_threshold: float | None = None  # ratio threshold: ppo 1.2, cispo 4.0
+    beta: float | None = None  # dro's penalty coefficient on (lp - q)^2; None = DRO_DEFAULT_BETA
     # Sampler-vs-trainer correction of the RL losses (`losses/offpolicy.py`); see `_anchor_logprobs`.
     # "none" keeps Tinker's losses exactly. Thresholds: None = the control's default.
     offpolicy: OffPolicyKind = "none"
@@ -78,6 +83,7 @@ class _PolicyTerms:
     that whatever they hold (padding, inf, NaN) cannot leak into values or gradients through 0 * inf."""
 
     ratio: Tensor  # [B,T] policy ratio r = exp(lp - anchor); carries grad
+    log_ratio: Tensor  # [B,T] lp - anchor; carries grad
     advantages: Tensor  # [B,T]
     correction: Tensor | None  # [B,T] detached off-policy weights, or None when the loss is Tinker's exactly
     active: Tensor  # [B,T] bool, mask != 0
@@ -131,8 +137,10 @@ def _policy_terms(inputs: LossInputs, params: LossParams, loss_name: str) -> _Po
         truncated_frac = masked_mean(correction.truncated, active)
     stats["offpolicy_masked_frac"] = masked_frac
     stats["offpolicy_truncated_frac"] = truncated_frac
+    log_ratio = lp - anchor
     return _PolicyTerms(
-        ratio=torch.exp(lp - anchor),
+        ratio=torch.exp(log_ratio),
+        log_ratio=log_ratio,
         advantages=torch.where(active, advantages, 0.0),
         correction=weights,
         active=active,
@@ -201,9 +209,24 @@ def cispo(inputs: LossInputs, params: LossParams) -> LossOutputs:
     return _finish(per_token, inputs, terms)
 
 
+def dro(inputs: LossInputs, params: LossParams) -> LossOutputs:
+    """-(lp * A - beta/2 * (lp - q)^2) (Richemond et al. 2024, arXiv:2405.19107; Tinker's `dro` page).
+
+    Offline-capable: no ratio, a quadratic pull of lp towards the sampler's q instead of clipping. Unlike
+    the other RL losses it is not zero where A = 0: the penalty acts on every unmasked token.
+    """
+    beta = DRO_DEFAULT_BETA if params.beta is None else params.beta
+    if not (math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"dro needs a finite beta >= 0, got {beta}")
+    terms = _policy_terms(inputs, params, "dro")
+    per_token = -(inputs.logprobs * terms.advantages - 0.5 * beta * terms.log_ratio.square())
+    return _finish(per_token, inputs, terms)
+
+
 LOSSES: dict[str, LossFn] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,
     "cispo": cispo,
+    "dro": dro,
 }

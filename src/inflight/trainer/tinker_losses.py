@@ -21,7 +21,26 @@ SUPPORTED_LOSSES: tuple[str, ...] = tuple(LOSSES)
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 _KNOWN_INPUTS = ("target_tokens", "weights", "logprobs", "advantages")
 _CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
-_CONFIG_KEYS = {"ppo": _CLIP_KEYS, "cispo": _CLIP_KEYS}
+# Every loss's accepted `loss_fn_config` keys (Tinker's loss pages); any other key is refused by name.
+CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": _CLIP_KEYS,
+    "cispo": _CLIP_KEYS,
+    "dro": ("beta",),
+}
+# Losses whose per-token value and gradient vanish where A = 0, so those tokens may leave the mask
+# (see `loss_outputs`); dro's quadratic penalty does not vanish there.
+_ZERO_AT_ZERO_ADVANTAGE = frozenset({"importance_sampling", "ppo", "cispo"})
+# Tinker names the server does not run, with the reason the client is told.
+_REFUSED = {
+    "stable_reinforce": (
+        "its objective is not published: Tinker computes it from stability information its sampler records "
+        "(record_stability_info) and looks up through the datums' provenance spans"
+    ),
+    "gspo": "not implemented on this server",
+    "custom": "server-side custom losses (create_custom_loss) are not served; forward_backward_custom works",
+}
 
 
 @dataclass
@@ -53,11 +72,7 @@ class PreparedJob:
 
 def prepare_job(job: ForwardBackwardJob, vocab_size: int, max_tokens: int) -> PreparedJob:
     """Validate a job and turn its datums into tensors; every problem is a UserError naming it."""
-    if job.loss_fn not in LOSSES:
-        raise UserError(
-            f"unsupported loss_fn {job.loss_fn!r}; this server supports: {', '.join(SUPPORTED_LOSSES)}"
-        )
-    params = _loss_params(job.loss_fn, job.loss_fn_config)
+    params = loss_params(job.loss_fn, job.loss_fn_config)
     if not job.data:
         raise UserError("forward_backward needs at least one datum, got an empty list")
     datums = [
@@ -66,25 +81,39 @@ def prepare_job(job: ForwardBackwardJob, vocab_size: int, max_tokens: int) -> Pr
     return PreparedJob(job=job, loss_fn=LOSSES[job.loss_fn], params=params, datums=datums)
 
 
-def _loss_params(loss_fn: str, config: dict[str, float] | None) -> LossParams:
-    allowed = _CONFIG_KEYS.get(loss_fn, ())
+def loss_params(loss_fn: str, config: dict[str, float] | None) -> LossParams:
+    """The loss's name and `loss_fn_config` checked (UserError naming the loss or key) into LossParams.
+
+    Runs at submission (the route's check) and again in the worker, so a bad config fails its request
+    before it queues."""
+    if loss_fn in _REFUSED:
+        raise UserError(
+            f"loss_fn {loss_fn!r} is not supported: {_REFUSED[loss_fn]}; this server supports: "
+            f"{', '.join(SUPPORTED_LOSSES)}"
+        )
+    if loss_fn not in LOSSES:
+        raise UserError(f"unknown loss_fn {loss_fn!r}; this server supports: {', '.join(SUPPORTED_LOSSES)}")
+    allowed = CONFIG_KEYS[loss_fn]
     config = dict(config or {})
     unknown = sorted(set(config) - set(allowed))
     if unknown:
         hint = f"it accepts {', '.join(allowed)}" if allowed else "it takes no config"
         raise UserError(f"loss_fn_config for {loss_fn!r} has unknown keys {unknown}; {hint}")
     for key, value in config.items():
-        if not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise UserError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
     params = LossParams(
         clip_low_threshold=config.get("clip_low_threshold"),
         clip_high_threshold=config.get("clip_high_threshold"),
+        beta=config.get("beta"),
     )
-    if allowed:
+    if "clip_low_threshold" in allowed:
         try:
             params.clip_thresholds(loss_fn)
         except ValueError as exc:
             raise UserError(f"loss_fn_config: {exc}") from exc
+    if params.beta is not None and params.beta < 0:
+        raise UserError(f"loss_fn_config['beta'] must be >= 0 (a penalty), got {params.beta}")
     return params
 
 
@@ -142,12 +171,13 @@ def loss_outputs(job: PreparedJob, logprobs: Tensor, rows: dict[str, Tensor]) ->
     """The Tinker per-token loss [b,T] (and its statistics) of `job` from learner log-probs [b,T].
 
     `rows` holds the job's padded "weights", "behaviour_logprobs", "advantages" [b,T] (0 at padding).
-    For the RL losses the mask is weights * (A != 0): where A = 0 (the prompt part of an RL datum,
-    which the cookbook pads with q = 0) every RL loss is 0 with gradient 0 anyway, and leaving those
-    tokens out keeps the ratio statistics about the tokens the loss actually uses.
+    For importance_sampling, ppo and cispo the mask is weights * (A != 0): where A = 0 (the prompt part of
+    an RL datum, which the cookbook pads with q = 0) those losses are 0 with gradient 0 anyway, and leaving
+    the tokens out keeps the ratio statistics about the tokens the loss uses. dro keeps them: its
+    penalty -beta/2 (lp - q)^2 is Tinker's on every token the weights keep.
     """
     weights = rows["weights"]
-    if job.is_rl:
+    if job.job.loss_fn in _ZERO_AT_ZERO_ADVANTAGE:
         weights = weights * (rows["advantages"] != 0)
     inputs = LossInputs(
         logprobs=logprobs,

@@ -1,8 +1,9 @@
-"""The internal request and result types between the service's HTTP layer and its compute engine.
+"""The service's internal type layer (between the wire schemas and the database rows): the jobs and results
+the HTTP layer hands to the compute (`compute.py`, `sampler.py`) and gets back.
 
-Plain dataclasses, decoded from the wire by the HTTP layer and encoded back by it; the engine knows
-nothing of HTTP, the database or futures. Import them from `inflight.api.engine`. The training types are
-the trainer's own (`inflight.trainer.types`), re-exported here so the HTTP layer has one place to look.
+Plain dataclasses, decoded from the wire by the HTTP layer and encoded back by it; the compute knows
+nothing of HTTP, the database or futures. The training types are the trainer's own
+(`inflight.trainer.types`), re-exported here so the HTTP layer has one place to look.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ __all__ = [
 
 @dataclass
 class SampleJob:
-    # None = bare base model; else an adapter key: a model_id (its current weights) or a sampler-checkpoint
-    # key registered with load_sampler_weights / snapshot_sampler_weights.
+    # None = the bare base model; else sampler weights registered with the engine (`Sampler.set_adapter`):
+    # a snapshot of a model's adapter, or a sampler checkpoint.
     weights: str | None
     base_model: str
     prompt_tokens: list[int]

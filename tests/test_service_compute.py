@@ -1,4 +1,4 @@
-"""The service's compute engine (`inflight.api.engine`) on the tiny model, against naive references: the bare
+"""The service's compute engine (`inflight.api.compute`) on the tiny model, against naive references: the bare
 Hugging Face model for log-probs and greedy decoding, one-by-one runs for the batched multi-adapter pass,
 Tinker's loss formulas written out per token (reference/tinker-api.md §7.3), and torch.optim.AdamW.
 """
@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from inflight.api.engine import (
+from inflight.api.compute import (
     Datum,
     ForwardBackwardJob,
     ForwardBackwardOutput,
     LoraSpec,
     OptimStep,
-    ServiceEngine,
-    ServiceEngineConfig,
+    ServiceCompute,
+    ServiceComputeConfig,
 )
 from inflight.errors import UserError
 from inflight.models import load_model
@@ -29,15 +29,15 @@ VOCAB = 2048
 EOS = 2
 
 
-def _engine(model_dir: Path, **config) -> ServiceEngine:
+def _engine(model_dir: Path, **config) -> ServiceCompute:
     """float32 unless a test names the dtype: these tests hold the engine to float32 references exactly (the
     bfloat16 engine has its own tests, test_service_engine_bfloat16.py)."""
     config = {"seed": 0, "dtype": "float32", "sample_kv_cache_mb": 64, **config}
-    return ServiceEngine({"tiny": str(model_dir)}, max_rank=32, config=ServiceEngineConfig(**config))
+    return ServiceCompute({"tiny": str(model_dir)}, max_rank=32, config=ServiceComputeConfig(**config))
 
 
 @pytest.fixture
-def engine(tiny_model_dir: Path) -> ServiceEngine:
+def engine(tiny_model_dir: Path) -> ServiceCompute:
     return _engine(tiny_model_dir)
 
 
@@ -60,7 +60,7 @@ def _ok(result: ForwardBackwardOutput | Exception):
     return result
 
 
-def _forward_logprobs(engine: ServiceEngine, model_id: str, tokens: list[int]) -> list[float]:
+def _forward_logprobs(engine: ServiceCompute, model_id: str, tokens: list[int]) -> list[float]:
     out = engine.forward_backward(
         [ForwardBackwardJob(model_id, [_datum(tokens)], "cross_entropy", backward=False)]
     )
@@ -73,7 +73,7 @@ def _hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
 
 
-def _train(engine: ServiceEngine, model_id: str, steps: int, lr: float = 0.02, seed: int = 0) -> None:
+def _train(engine: ServiceCompute, model_id: str, steps: int, lr: float = 0.02, seed: int = 0) -> None:
     for step in range(steps):
         data = [_datum(_tokens(12, seed * 100 + step)), _datum(_tokens(7, seed * 100 + step + 50))]
         _ok(engine.forward_backward([ForwardBackwardJob(model_id, data, "cross_entropy")])[0])
@@ -104,7 +104,7 @@ def test_fresh_adapter_equals_the_base_model(engine, hf_model):
     )
 
 
-def _three_adapters(engine: ServiceEngine) -> None:
+def _three_adapters(engine: ServiceCompute) -> None:
     engine.create_adapter("a", "tiny", LoraSpec(rank=8, seed=1))
     engine.create_adapter("b", "tiny", LoraSpec(rank=4, seed=2, train_unembed=True))
     engine.create_adapter("c", "tiny", LoraSpec(rank=16, seed=3, train_mlp=False))
@@ -124,7 +124,7 @@ def _mixed_jobs() -> list[ForwardBackwardJob]:
     ]
 
 
-def _copy_adapters(source: ServiceEngine, targets: list[ServiceEngine], tmp_path: Path) -> None:
+def _copy_adapters(source: ServiceCompute, targets: list[ServiceCompute], tmp_path: Path) -> None:
     """The adapters a, b, c of `source` (weights and AdamW state) into each of `targets`: engines whose
     passes round differently would train apart, most of all under Adam, whose updates follow the sign."""
     for model_id in "abc":
@@ -365,12 +365,12 @@ def test_bad_jobs_fail_alone_with_user_errors(engine):
 # ---- optimizer state and checkpoints --------------------------------------------------------------------
 
 
-def _same_weights(e1: ServiceEngine, m1: str, e2: ServiceEngine, m2: str) -> bool:
+def _same_weights(e1: ServiceCompute, m1: str, e2: ServiceCompute, m2: str) -> bool:
     w1, w2 = e1.adapter_weights(m1), e2.adapter_weights(m2)
     return w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
-def _one_step(engine: ServiceEngine, model_id: str) -> None:
+def _one_step(engine: ServiceCompute, model_id: str) -> None:
     data = [_datum(_tokens(13, 99))]
     _ok(engine.forward_backward([ForwardBackwardJob(model_id, data, "cross_entropy")])[0])
     engine.optim_step(OptimStep(model_id, learning_rate=0.01, weight_decay=0.01))

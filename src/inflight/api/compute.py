@@ -1,8 +1,9 @@
-"""The service's side of compute: base models by name, tenants' adapters mapped onto the trainer's adapter
-sets, sampler snapshots, fault isolation per job, and the service's checkpoint records.
+"""The tenants' view of the compute core: base models by name, each tenant model an adapter in the trainer's
+adapter set of its base, sampler weights sent to the base's engine, fault isolation per job, and the
+service's checkpoint records. No model code of its own: it computes through `trainer/` and `inference/`.
 
-The HTTP layer decodes wire requests into the dataclasses below, calls the engine from its single worker
-loop thread in each model's seq_id order, and encodes the results; the engine knows nothing of HTTP, the
+The HTTP layer decodes wire requests into the job types (`job_types.py`), calls this from its single worker
+loop thread in each model's seq_id order, and encodes the results; nothing here knows HTTP, the
 database or futures. Bad input comes back as `inflight.errors.UserError` (in the job's own slot for the
 batched calls, raised otherwise); anything else is a server fault.
 
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from inflight.api.engine_types import (
+from inflight.api.job_types import (
     Datum,
     ForwardBackwardJob,
     ForwardBackwardOutput,
@@ -64,8 +65,8 @@ __all__ = [
     "SampleJob",
     "SampleOutput",
     "SampledSequence",
-    "ServiceEngine",
-    "ServiceEngineConfig",
+    "ServiceCompute",
+    "ServiceComputeConfig",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ ItemT = TypeVar("ItemT")
 OutputT = TypeVar("OutputT")
 
 
-class ServiceEngineConfig(BaseModel):
+class ServiceComputeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     device: str = "cpu"  # torch device of base models and adapters: cpu, cuda, cuda:N or auto
@@ -117,15 +118,15 @@ class _Base:
         return self.adapters.router
 
 
-class ServiceEngine:
+class ServiceCompute:
     """Not thread-safe: one thread (the service's worker loop) calls it."""
 
     def __init__(
-        self, base_models: dict[str, str], *, max_rank: int = 64, config: ServiceEngineConfig | None = None
+        self, base_models: dict[str, str], *, max_rank: int = 64, config: ServiceComputeConfig | None = None
     ) -> None:
         if not base_models:
             raise UserError("the service needs at least one base model (name -> model directory or hub id)")
-        self.config = config or ServiceEngineConfig()
+        self.config = config or ServiceComputeConfig()
         self.max_rank = max_rank
         self._device = resolve_device(self.config.device, "device")
         self._dtype = resolve_dtype(self.config.dtype, self._device)
@@ -433,5 +434,5 @@ def _shape(spec: LoraSpec) -> tuple[object, ...]:
 
 def _filled(results: Sequence[Any]) -> list[Any]:
     if any(r is None for r in results):
-        raise RuntimeError("engine bug: a job got no result")
+        raise RuntimeError("compute bug: a job got no result")
     return list(results)
