@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig, Engine, SteppedEngine
-from inflight.inference.client import HttpEngine
+from inflight.inference.http_engine import HttpEngine
 from inflight.inference.server import ServerThread, create_app
 from inflight.models.lora_adapter import peft_key
 from inflight.types import AdapterUpdate, Completion, SampleRequest, SamplingParams, WeightUpdate
