@@ -148,8 +148,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed) -> None:
-    """The engine in its own process (`inflight serve-engine`); weights reach it by the filesystem."""
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed, lora_rank: int) -> None:
+    """The engine in its own process (`inflight serve-engine`); weights reach it by the filesystem. Under
+    LoRA the replica gets the warmed-up base once, then only the adapter, and samples with it."""
     _, model_dir = warmed
     port = free_port()
     server = subprocess.Popen(
@@ -172,7 +174,10 @@ def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed) -> No
             time.sleep(0.2)
         cfg = small_config(tmp_path, max_staleness_steps=1, engine_urls=[url])
         cfg.mode, cfg.grpo.steps = "async", 4
-        history = train(parts_for(cfg, warmed), cfg, MetricsLogger(tmp_path), tmp_path)
+        cfg.trainer.lora_rank = lora_rank
+        parts = parts_for(cfg, warmed)
+        history = train(parts, cfg, MetricsLogger(tmp_path), tmp_path)
+        served = httpx.get(f"{url}/adapters", timeout=10).json()
     finally:
         server.terminate()
         server.wait(30)
@@ -180,7 +185,14 @@ def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed) -> No
     assert history[-1]["replicas/calls"] > 0
     # Lag <= 1 at trainer version >= 2 means the replica sampled with weights the trainer published.
     assert history[-1]["version"] >= 2 and history[-1]["lag_steps_max"] <= 1
-    assert sorted(p.name for p in (tmp_path / "weights").glob("weights-*.safetensors"))
+    weight_files = sorted(p.name for p in (tmp_path / "weights").glob("weights-*.safetensors"))
+    parity = [h["logprob_parity_max_abs"] for h in history if h.get("logprob_parity_token_frac", 0) > 0]
+    assert parity and max(parity) < 1e-3, parity  # the replica samples with the trainer's weights
+    if lora_rank:
+        assert weight_files == ["weights-00000000.safetensors"]  # the warmed-up base, once
+        assert served["adapters"] == {ADAPTER_NAME: parts.trainer.version}, served
+    else:
+        assert weight_files
 
 
 # ---- LoRA RL (issue 12 item 3): the engine keeps its frozen base and receives only the adapter -------------

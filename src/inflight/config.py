@@ -143,12 +143,6 @@ class RunConfig(_Config):
                 f"sampling.temperature={self.sampling.temperature} but trainer.temperature="
                 f"{self.trainer.temperature}: set both to one value so trainer and sampler logprobs agree"
             )
-        if self.trainer.lora_rank and self.pipeline.engine_urls:
-            raise ValueError(
-                "trainer.lora_rank > 0 with pipeline.engine_urls: LoRA RL publishes its adapter to the "
-                "in-process engine only, for now; drop pipeline.engine_urls, or train full-parameter "
-                "(trainer.lora_rank=0)"
-            )
         return self
 
 

@@ -52,12 +52,13 @@ from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
 from inflight.orchestrator.drivers import Driver, SubmitDriver
 from inflight.orchestrator.guard import RolloutGuard
-from inflight.orchestrator.publish import publish
+from inflight.orchestrator.publish import publish, publish_initial
 from inflight.orchestrator.remote_engine import RemoteEngines
 from inflight.orchestrator.sync_loop import LoopParts, rollout_metrics, sampling_params, to_train_samples
 from inflight.orchestrator.task import train_problem
 from inflight.rollouts.api import RolloutContext
 from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
+from inflight.trainer.lora_policy import ADAPTER_NAME
 from inflight.types import Completion, RolloutGroup, SampleRequest
 
 
@@ -97,7 +98,11 @@ class _Pipeline:
         self.stream = open_stream(p.stream_url or f"file://{(run_dir / 'streams' / 'results').resolve()}")
         self._recover()  # results that reached the stream before a crash, past the checkpoint's offset
         self.loop: Any = (
-            RemoteEngines(cfg.pipeline.engine_urls, run_dir / "weights")
+            RemoteEngines(
+                cfg.pipeline.engine_urls,
+                run_dir / "weights",
+                policy_adapter=ADAPTER_NAME if cfg.trainer.lora_rank else None,
+            )
             if cfg.pipeline.engine_urls
             else EngineLoop(parts.engine)
         )
@@ -314,7 +319,7 @@ class _Pipeline:
         async def main() -> None:
             if remote:  # its client lives on this event loop; the replicas get the trainer's weights first
                 await loop.astart()
-                await asyncio.to_thread(publish, loop, trainer)
+                await asyncio.to_thread(publish_initial, loop, trainer)
             stop = asyncio.Event()
             producer = asyncio.create_task(self.produce(stop))
             thread = threading.Thread(target=train_thread, name="trainer", daemon=True)

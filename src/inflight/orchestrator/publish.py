@@ -1,9 +1,10 @@
 """The policy as the engine sees it: the trainer's full weights, or (`trainer.lora_rank > 0`) one LoRA adapter
 over the engine's own frozen copy of the base model, so a weight sync ships only the adapter.
 
-Owns that choice for both loops: what goes to the engine after a step (`publish`), and, under LoRA, that
-every rollout request names the policy adapter and the engine reports the adapter's version
-(`AdapterPolicyEngine`). Knows nothing of steps, buffers or rollouts.
+Owns that choice for both loops: what goes to the engine after a step (`publish`) and to a replica that
+starts from the model on disk (`publish_initial`), and, under LoRA, that every rollout request names the
+policy adapter and the in-process engine reports the adapter's version (`AdapterPolicyEngine`; remote
+replicas: `RemoteEngines(policy_adapter=...)`). Knows nothing of steps, buffers or rollouts.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def publish(target: PolicyTarget, trainer: Trainer) -> None:
         target.set_adapter(trainer.adapter_update())
     else:
         target.update_weights(WeightUpdate(trainer.version, trainer.weights()))
+
+
+def publish_initial(target: PolicyTarget, trainer: Trainer) -> None:
+    """Everything an engine built elsewhere (a replica that loaded the model from disk) needs before the
+    first request: under LoRA the frozen base (the warm-up changed it) and then the adapter, else the
+    weights."""
+    if trainer.config.lora_rank:
+        target.update_weights(WeightUpdate(trainer.version, trainer.base_weights()))
+    publish(target, trainer)
 
 
 def policy_engine(engine: BuiltinEngine, trainer: Trainer) -> BuiltinEngine | AdapterPolicyEngine:

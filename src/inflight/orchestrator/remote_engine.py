@@ -37,8 +37,17 @@ def adapter_path(root: Path, name: str, version: int) -> Path:
 
 
 class RemoteEngines:
-    def __init__(self, urls: list[str], weights_dir: Path, update_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        weights_dir: Path,
+        update_timeout_s: float = 600.0,
+        policy_adapter: str | None = None,
+    ) -> None:
+        """`policy_adapter`: LoRA RL; every request samples with that adapter, and `version` is its version
+        (the policy's), not the base weights'."""
         self.urls = urls
+        self.policy_adapter = policy_adapter
         self._publisher = FilesystemPublisher(FilesystemSyncConfig(root=str(weights_dir)))
         self._weights_dir = weights_dir
         self._update_timeout_s = update_timeout_s
@@ -50,6 +59,9 @@ class RemoteEngines:
 
     @property
     def version(self) -> int:
+        """The policy version every live replica serves: the base weights', or the policy adapter's."""
+        if self.policy_adapter is not None:
+            return self.adapter_versions.get(self.policy_adapter, -1)
         return self._version
 
     async def astart(self) -> None:
@@ -63,6 +75,8 @@ class RemoteEngines:
 
     async def generate(self, request: SampleRequest, timeout_s: float) -> Completion:
         assert self._client is not None, "RemoteEngines.astart() first"
+        if self.policy_adapter is not None and request.adapter is None:
+            request.adapter = self.policy_adapter
         return await asyncio.wait_for(self._client.generate(request), timeout_s)
 
     def submit(self, request: SampleRequest) -> concurrent.futures.Future[Completion]:

@@ -376,6 +376,13 @@ class Trainer:
         LoRA the merged W + (alpha / r) B A."""
         return self.policy.weights()
 
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        """Under LoRA the frozen base's weights by Hugging Face name (what an engine that applies the adapter
+        itself must hold); for full-parameter training, the weights."""
+        if isinstance(self.policy, LoraPolicy):
+            return self.policy.adapters.base_weights()
+        return self.policy.weights()
+
     def adapter_update(self) -> AdapterUpdate:
         """The trained LoRA adapter (PEFT names), tagged with this version: what `set_adapter` takes, so a
         weight sync ships only the adapter. UserError for full-parameter training."""
