@@ -66,7 +66,7 @@ class RecordingSampler:
     def __init__(self, calls: list[tuple[str, list[str]]]) -> None:
         self.calls = calls
 
-    def submit(self, job: SampleJob) -> concurrent.futures.Future[SampleOutput]:
+    def submit(self, job: SampleJob, key: str | None = None) -> concurrent.futures.Future[SampleOutput]:
         self.calls.append(("sample", [str(job.weights)]))
         done: concurrent.futures.Future[SampleOutput] = concurrent.futures.Future()
         done.set_result(SampleOutput([SampledSequence([1], [-0.5], "length")]))

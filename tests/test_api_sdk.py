@@ -264,7 +264,7 @@ def test_rl_step_importance_sampling_and_ppo_losses(service, tokens) -> None:
 def test_unknown_loss_is_a_user_error_and_the_client_keeps_working(service, tokens) -> None:
     training = service.create_lora_training_client(base_model=BASE, rank=4).result()
     with pytest.raises(tinker.RequestFailedError) as failed:
-        training.forward_backward([sft_datum(tokens)], "dro").result()
+        training.forward_backward([sft_datum(tokens)], "gspo").result()
     assert failed.value.category == types.RequestErrorCategory.User and "cross_entropy" in str(failed.value)
     assert training.optim_step(types.AdamParams(learning_rate=1e-3)).result() is not None
     assert "loss:sum" in training.forward([sft_datum(tokens)], "cross_entropy").result().metrics

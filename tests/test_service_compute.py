@@ -330,7 +330,7 @@ def test_bad_jobs_fail_alone_with_user_errors(engine):
     good = _datum(_tokens(8, 0))
     jobs = [
         ForwardBackwardJob("m", [good], "cross_entropy"),
-        ForwardBackwardJob("m", [good], "dro"),
+        ForwardBackwardJob("m", [good], "nope"),
         ForwardBackwardJob("m", [_datum([5, 6, VOCAB + 3])], "cross_entropy"),
         ForwardBackwardJob("m", [Datum([5, 6, 7], {"target_tokens": [6, 7]})], "cross_entropy"),
         ForwardBackwardJob("m", [good], "ppo"),  # no logprobs/advantages
@@ -343,7 +343,7 @@ def test_bad_jobs_fail_alone_with_user_errors(engine):
     results = engine.forward_backward(jobs)
     messages = [
         None,
-        "unsupported loss_fn 'dro'; this server supports: cross_entropy, importance_sampling, ppo, cispo",
+        "unknown loss_fn 'nope'; this server supports: cross_entropy, importance_sampling, ppo, cispo, dro",
         "not a token id",
         "has 2 values but model_input has 3 tokens",
         "needs loss_fn_inputs ['logprobs', 'advantages']",

@@ -1,4 +1,4 @@
-"""The engine loop: one thread owns the ServiceCompute, claims ready futures, batches them and writes results.
+"""The worker: one thread owns the ServiceCompute, claims ready futures, batches them and writes results.
 
 One round (`run_once`), schedule -> execute -> update:
   1. claim the head of every model whose next seq_id is ready: one future per model per round, so each

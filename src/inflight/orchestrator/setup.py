@@ -64,8 +64,9 @@ def build_trainer(
     model: torch.nn.Module, tokenizer: object, config: TrainerConfig, run_steps: int | None = None
 ) -> Trainer:
     """`run_steps`: the run's optimizer steps, the span of a decaying lr left at lr_decay_steps=0."""
-    if config.lr_schedule != "constant" and not config.lr_decay_steps and run_steps:
-        config = config.model_copy(update={"lr_decay_steps": run_steps})
+    if config.lr_schedule != "constant" and not config.lr_decay_steps and run_steps is not None:
+        # A run of 0 steps (evaluation only) never reads the schedule, but it must still be valid.
+        config = config.model_copy(update={"lr_decay_steps": max(run_steps, 1)})
     return Trainer(model, config, pad_id=pad_id(tokenizer))
 
 
