@@ -16,27 +16,19 @@ import torch
 from transformers import AutoTokenizer
 
 from inflight.api.compute import (
-    Datum,
     ForwardBackwardJob,
-    ForwardBackwardOutput,
     LoraSpec,
     OptimStep,
     SampleJob,
     SampleOutput,
     ServiceCompute,
-    ServiceComputeConfig,
 )
 from inflight.api.sampler import Sampler, build_sampler
 from inflight.errors import UserError
 from inflight.models import load_model
 
-VOCAB = 2048
-EOS = 2
-
-
-def _engine(model_dir: Path, **config) -> ServiceCompute:
-    config = {"seed": 0, "dtype": "float32", "sample_kv_cache_mb": 64, **config}
-    return ServiceCompute({"tiny": str(model_dir)}, max_rank=32, config=ServiceComputeConfig(**config))
+# The compute tests' helpers: one engine configuration and one way to train, for both files.
+from test_service_compute import EOS, VOCAB, _datum, _engine, _forward_logprobs, _ok, _tokens, _train
 
 
 @pytest.fixture
@@ -47,33 +39,6 @@ def engine(tiny_model_dir: Path) -> ServiceCompute:
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir: Path):
     return load_model(tiny_model_dir).eval()
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _datum(tokens: list[int], **inputs: list[float]) -> Datum:
-    return Datum(input_tokens=tokens[:-1], loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
-
-
-def _ok(result: ForwardBackwardOutput | Exception) -> ForwardBackwardOutput:
-    assert not isinstance(result, Exception), result
-    return result
-
-
-def _forward_logprobs(engine: ServiceCompute, model_id: str, tokens: list[int]) -> list[float]:
-    out = engine.forward_backward(
-        [ForwardBackwardJob(model_id, [_datum(tokens)], "cross_entropy", backward=False)]
-    )
-    return _ok(out[0]).loss_fn_outputs[0]["logprobs"]
-
-
-def _train(engine: ServiceCompute, model_id: str, steps: int, lr: float = 0.02, seed: int = 0) -> None:
-    for step in range(steps):
-        data = [_datum(_tokens(12, seed * 100 + step)), _datum(_tokens(7, seed * 100 + step + 50))]
-        _ok(engine.forward_backward([ForwardBackwardJob(model_id, data, "cross_entropy")])[0])
-        engine.optim_step(OptimStep(model_id, learning_rate=lr))
 
 
 @contextlib.contextmanager
