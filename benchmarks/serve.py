@@ -1,4 +1,4 @@
-"""The service's engine: batched multi-adapter forward_backward vs the same requests one by one, and the
+"""The service's compute: batched multi-adapter forward_backward vs the same requests one by one, and the
 per-request overhead of the HTTP API (the unmodified `tinker` SDK against an in-process server) over a
 direct in-process engine call.
 
@@ -81,27 +81,21 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    from inflight.api.compute import (
-        Datum,
-        ForwardBackwardJob,
-        LoraSpec,
-        SampleJob,
-        ServiceCompute,
-        ServiceComputeConfig,
-    )
+    from inflight.api.compute import ServiceCompute, ServiceComputeConfig
+    from inflight.api.job_types import Datum, ForwardBackwardJob, LoraSpec, SampleJob
 
     if args.model is None:
         from inflight.models import build_tiny
 
         args.model = str(build_tiny(tempfile.mkdtemp(prefix="inflight-bench-serve-"), preset="tiny"))
     config = ServiceComputeConfig(seed=0, max_batch_tokens=args.max_batch_tokens, dtype=args.dtype)
-    engine = ServiceCompute({"bench": args.model}, max_rank=max(64, args.rank), config=config)
-    vocab = engine.model_info("bench")["vocab_size"]
+    compute = ServiceCompute({"bench": args.model}, max_rank=max(64, args.rank), config=config)
+    vocab = compute.model_info("bench")["vocab_size"]
     generator = torch.Generator().manual_seed(1)
     jobs, sample_jobs = [], []
     for i in range(args.adapters):
         model_id = f"adapter-{i}"
-        engine.create_adapter(model_id, "bench", LoraSpec(rank=args.rank, seed=i))
+        compute.create_adapter(model_id, "bench", LoraSpec(rank=args.rank, seed=i))
         data = []
         for _ in range(args.datums):
             tokens = torch.randint(0, vocab, (args.tokens + 1,), generator=generator).tolist()
@@ -121,19 +115,19 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     def batched() -> None:
-        _check(engine.forward_backward(jobs))
+        _check(compute.forward_backward(jobs))
 
     def serial() -> None:
         for job in jobs:
-            _check(engine.forward_backward([job]))
+            _check(compute.forward_backward([job]))
 
     # Sampling runs as the service runs it: each job submitted to the base model's engine (its own thread,
     # continuous batching), the adapters registered as save_weights_for_sampler registers them.
     from inflight.api.sampler import build_sampler
 
-    sampler = build_sampler(engine.sampling_engines()).start()
+    sampler = build_sampler(compute.sampling_engines()).start()
     for job in sample_jobs:
-        sampler.set_adapter("bench", engine.sampler_update(job.weights, job.weights))
+        sampler.set_adapter("bench", compute.sampler_update(job.weights, job.weights))
 
     def sample_batched() -> None:
         for future in [sampler.submit(job) for job in sample_jobs]:
@@ -163,14 +157,14 @@ def main(argv: list[str] | None = None) -> dict:
         "datums_per_request": args.datums,
         "tokens_per_datum": args.tokens,
         "rank": args.rank,
-        "max_batch_tokens": engine.max_batch_tokens,
-        "dtype": engine.model_info("bench")["dtype"],
+        "max_batch_tokens": compute.max_batch_tokens,
+        "dtype": compute.model_info("bench")["dtype"],
         "samples_per_request": args.samples,
         "threads": torch.get_num_threads(),
         "timing": f"best of {args.repeats} after a warm-up, batched and serial alternating",
     }
     if args.api_requests > 0:
-        result.update(measure_api_overhead(engine, args.model, args.api_requests))
+        result.update(measure_api_overhead(compute, args.model, args.api_requests))
     print(json.dumps(result))
     return result
 
@@ -181,16 +175,16 @@ def main(argv: list[str] | None = None) -> dict:
 # the unmodified `tinker` SDK against an in-process uvicorn on loopback, and as a direct engine call.
 
 
-def measure_api_overhead(engine: Any, model_dir: str, requests: int) -> dict[str, Any]:
+def measure_api_overhead(compute: Any, model_dir: str, requests: int) -> dict[str, Any]:
     """{"api_ms_per_request", "direct_ms_per_request", "api_overhead_ms"}, or {"api_error": why}."""
-    from inflight.api.compute import Datum, ForwardBackwardJob, LoraSpec
+    from inflight.api.job_types import Datum, ForwardBackwardJob, LoraSpec
 
     tokens = list(range(10, 42))
-    engine.create_adapter("api-direct", "bench", LoraSpec(rank=8, seed=0))
+    compute.create_adapter("api-direct", "bench", LoraSpec(rank=8, seed=0))
     job = ForwardBackwardJob(
         "api-direct", [Datum(tokens[:-1], {"target_tokens": tokens[1:]})], "cross_entropy", backward=False
     )
-    direct = _median_ms(lambda: _check(engine.forward_backward([job])), requests)
+    direct = _median_ms(lambda: _check(compute.forward_backward([job])), requests)
     try:
         api = _api_ms(model_dir, tokens, requests)
     except Exception as exc:  # the service is optional here: report why instead of failing the benchmark

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from inflight.api.app import BackgroundServer
+    from inflight.api.service import ServiceConfig
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +25,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     # Runs that build the tiny model cache it under INFLIGHT_CACHE: never the user's ~/.cache in tests.
     monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path_factory.getbasetemp() / "inflight-cache"))
+
+
+@contextlib.contextmanager
+def sdk_server(config: ServiceConfig, **app_options: Any) -> Iterator[BackgroundServer]:
+    """`inflight serve`'s app in-process on a free loopback port, with the environment the `tinker` SDK
+    reads (any API key, no telemetry). Import it from a test module: `from conftest import sdk_server`."""
+    from inflight.api.app import BackgroundServer, create_app
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINKER_API_KEY", "tml-test")
+        mp.setenv("TINKER_TELEMETRY", "0")
+        with BackgroundServer(create_app(config, **app_options)) as running:
+            yield running

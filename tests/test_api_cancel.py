@@ -18,7 +18,7 @@ import httpx
 import pytest
 import tinker
 
-from inflight.api.app import BackgroundServer, create_app, load_engine
+from inflight.api.app import BackgroundServer, create_app, load_compute
 from inflight.api.compute import ServiceCompute
 from inflight.api.service import ServiceConfig
 from inflight.api.worker import WorkerConfig
@@ -37,10 +37,10 @@ def served(
     config = ServiceConfig(
         base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path_factory.mktemp("serve"), dtype="float32"
     )
-    compute: ServiceCompute = load_engine(config)
+    compute: ServiceCompute = load_compute(config)
     engine = compute.sampling_engines()[BASE][0]
     # One sample future with the engine at a time, so a second one provably waits (pending) behind it.
-    app = create_app(config, engine=compute, worker_config=WorkerConfig(max_sample_futures_in_flight=1))
+    app = create_app(config, compute=compute, worker_config=WorkerConfig(max_sample_futures_in_flight=1))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TINKER_API_KEY", "tml-test")
         mp.setenv("TINKER_TELEMETRY", "0")

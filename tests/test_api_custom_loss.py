@@ -16,7 +16,8 @@ import pytest
 import tinker
 import torch
 
-from inflight.api.app import BackgroundServer, create_app
+from conftest import sdk_server
+from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig
 
 pytestmark = pytest.mark.slow
@@ -32,11 +33,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     config = ServiceConfig(
         base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path_factory.mktemp("serve"), dtype="float32"
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_API_KEY", "tml-test")
-        mp.setenv("TINKER_TELEMETRY", "0")
-        with BackgroundServer(create_app(config)) as running:
-            yield running
+    with sdk_server(config) as running:
+        yield running
 
 
 def datum(**inputs: list[float]) -> types.Datum:

@@ -29,16 +29,10 @@ from tinker.proto import tinker_public_pb2 as pb
 from inflight.api import worker as worker_module
 from inflight.api.app import BackgroundServer, create_app
 from inflight.api.checkpoints import CheckpointStore
-from inflight.api.compute import (
-    Datum,
-    ForwardBackwardJob,
-    LoraSpec,
-    SampleJob,
-    ServiceCompute,
-    ServiceComputeConfig,
-)
+from inflight.api.compute import ServiceCompute, ServiceComputeConfig
 from inflight.api.db import Database, SamplingSessionRow, SessionRow, sqlite_url
 from inflight.api.futures import FutureStore, RequestType
+from inflight.api.job_types import Datum, ForwardBackwardJob, LoraSpec, SampleJob
 from inflight.api.jobs import BaseModelLimits
 from inflight.api.sampler import build_sampler
 from inflight.api.service import ServiceConfig

@@ -19,7 +19,8 @@ import tinker
 import torch
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from inflight.api.app import BackgroundServer, create_app
+from conftest import sdk_server
+from inflight.api.app import BackgroundServer
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SamplingSessionRow, SessionRow, sqlite_url
 from inflight.api.futures import FutureStore, RequestType
@@ -190,11 +191,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     config = ServiceConfig(
         base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path_factory.mktemp("serve"), dtype="float32"
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_API_KEY", "tml-test")
-        mp.setenv("TINKER_TELEMETRY", "0")
-        with BackgroundServer(create_app(config)) as running:
-            yield running
+    with sdk_server(config) as running:
+        yield running
 
 
 def tenant_datum(tenant: int) -> types.Datum:

@@ -17,7 +17,8 @@ import pytest
 import tinker
 import torch
 
-from inflight.api.app import BackgroundServer, create_app
+from conftest import sdk_server
+from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig
 
 pytestmark = pytest.mark.slow
@@ -30,11 +31,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     config = ServiceConfig(
         base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path_factory.mktemp("serve"), dtype="float32"
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_API_KEY", "tml-test")
-        mp.setenv("TINKER_TELEMETRY", "0")
-        with BackgroundServer(create_app(config)) as running:
-            yield running
+    with sdk_server(config) as running:
+        yield running
 
 
 def test_a_forward_backward_submitted_after_a_long_sample_finishes_first(server: BackgroundServer) -> None:

@@ -11,10 +11,8 @@ environment against the same server: the JSON and protobuf paths compute the sam
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,6 +25,7 @@ import tinker
 
 from inflight.api.app import BackgroundServer, create_app
 from inflight.api.service import ServiceConfig
+from inflight.launch.venv_cache import cached_venv
 
 pytestmark = pytest.mark.slow
 
@@ -99,30 +98,20 @@ def sdk_cache_dir() -> Path:
 def sdk_python(version: str) -> Path:
     """The interpreter of a virtual environment holding `tinker==version`, created once and then reused.
 
-    Built beside its final place and renamed into it only when the install succeeded, so an interrupted
-    install is never mistaken for a cached one."""
-    env = sdk_cache_dir() / f"tinker-{version}"
-    python = env / "bin" / "python"
-    if python.exists():
-        return python
-    env.parent.mkdir(parents=True, exist_ok=True)
-    building = env.with_name(f"{env.name}.building-{os.getpid()}")
-    shutil.rmtree(building, ignore_errors=True)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(building)], check=True, capture_output=True)
+    Built beside its final place and renamed into it only when the install succeeded (`cached_venv`)."""
+
+    def build(directory: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", str(directory)], check=True, capture_output=True)
         install = subprocess.run(
-            [str(building / "bin" / "python"), "-m", "pip", "install", "-q", f"tinker=={version}"],
+            [str(directory / "bin" / "python"), "-m", "pip", "install", "-q", f"tinker=={version}"],
             capture_output=True,
             text=True,
             timeout=PIP_INSTALL_TIMEOUT_S,
         )
         if install.returncode != 0:
             pytest.fail(f"pip install tinker=={version} failed:\n{install.stdout}\n{install.stderr}")
-        with contextlib.suppress(OSError):  # another run finished the same environment first: use theirs
-            building.rename(env)
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    return python
+
+    return cached_venv(sdk_cache_dir() / f"tinker-{version}", build)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,9 @@ import pytest
 import tinker
 import torch
 
+from conftest import sdk_server
 from inflight.api import compute
-from inflight.api.app import BackgroundServer, create_app
+from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig
 from inflight.models import build_tiny
 
@@ -46,10 +47,8 @@ def served(
         dtype="float32",
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_API_KEY", "tml-test")
-        mp.setenv("TINKER_TELEMETRY", "0")
         mp.setattr(compute, "load_model", counting_load)
-        with BackgroundServer(create_app(config)) as running:
+        with sdk_server(config) as running:
             yield running, loads
 
 

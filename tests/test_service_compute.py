@@ -13,15 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from inflight.api.compute import (
-    Datum,
-    ForwardBackwardJob,
-    ForwardBackwardOutput,
-    LoraSpec,
-    OptimStep,
-    ServiceCompute,
-    ServiceComputeConfig,
-)
+from inflight.api.compute import ServiceCompute, ServiceComputeConfig
+from inflight.api.job_types import Datum, ForwardBackwardJob, ForwardBackwardOutput, LoraSpec, OptimStep
 from inflight.errors import UserError
 from inflight.models import load_model
 

@@ -15,14 +15,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from inflight.api.compute import (
-    ForwardBackwardJob,
-    LoraSpec,
-    OptimStep,
-    SampleJob,
-    SampleOutput,
-    ServiceCompute,
-)
+from inflight.api.compute import ServiceCompute
+from inflight.api.job_types import ForwardBackwardJob, LoraSpec, OptimStep, SampleJob, SampleOutput
 from inflight.api.sampler import Sampler, build_sampler
 from inflight.errors import UserError
 from inflight.models import load_model

@@ -60,14 +60,14 @@ _STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int], ...] =
 
 
 def create_app(
-    config: ServiceConfig, *, engine: ServiceCompute | None = None, worker_config: WorkerConfig | None = None
+    config: ServiceConfig, *, compute: ServiceCompute | None = None, worker_config: WorkerConfig | None = None
 ) -> FastAPI:
-    """The app; its lifespan opens the database, loads the base models (unless `engine` is given) and runs
+    """The app; its lifespan opens the database, loads the base models (unless `compute` is given) and runs
     the worker thread until shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state, worker, sampler = _start(config, engine, worker_config)
+        state, worker, sampler = _start(config, compute, worker_config)
         app.state.service = state
         try:
             yield
@@ -92,15 +92,15 @@ def create_app(
 
 
 def _start(
-    config: ServiceConfig, engine: ServiceCompute | None, worker_config: WorkerConfig | None
+    config: ServiceConfig, compute: ServiceCompute | None, worker_config: WorkerConfig | None
 ) -> tuple[ServiceState, EngineWorker, Sampler]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
-    if engine is None:
-        engine = load_engine(config)
+    if compute is None:
+        compute = load_compute(config)
     from inflight.api.sampler import build_sampler  # torch: imported when the service starts
 
-    sampler = build_sampler(engine.sampling_engines())
-    base_models = {name: _base_model_info(engine, name) for name in engine.base_model_names()}
+    sampler = build_sampler(compute.sampling_engines())
+    base_models = {name: _base_model_info(compute, name) for name in compute.base_model_names()}
     db = Database(config.database_url)
     checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
     board = CompletionBoard()
@@ -110,7 +110,7 @@ def _start(
         max_topk_logprobs=config.max_topk_logprobs,
     )
     worker = EngineWorker(
-        engine,
+        compute,
         sampler,
         db,
         checkpoints,
@@ -135,11 +135,11 @@ def _start(
     return state, worker, sampler
 
 
-def _base_model_info(engine: ServiceCompute, name: str) -> BaseModelInfo:
-    info: dict[str, Any] = engine.model_info(name)
+def _base_model_info(compute: ServiceCompute, name: str) -> BaseModelInfo:
+    info: dict[str, Any] = compute.model_info(name)
     return BaseModelInfo(
         name=name,
-        tokenizer_dir=str(engine.tokenizer_dir(name)),
+        tokenizer_dir=str(compute.tokenizer_dir(name)),
         arch=info.get("arch"),
         limits=BaseModelLimits(vocab_size=int(info["vocab_size"]), max_context=int(info["max_context"])),
     )
@@ -199,11 +199,11 @@ def serve(
     for path in base_models.values():
         check_model_dir(path)
     with contextlib.closing(bind_port(host, port)) as sock:
-        app = create_app(config, engine=load_engine(config))
+        app = create_app(config, compute=load_compute(config))
         serve_on(sock, app, host, port, log_level="info")
 
 
-def load_engine(config: ServiceConfig) -> ServiceCompute:
+def load_compute(config: ServiceConfig) -> ServiceCompute:
     """The base models of `config`, loaded (torch + transformers are imported here, not at import time)."""
     from inflight.api.compute import ServiceCompute, ServiceComputeConfig
 
@@ -217,7 +217,7 @@ def load_engine(config: ServiceConfig) -> ServiceCompute:
 class BackgroundServer:
     """uvicorn in a thread on a loopback socket it already holds (no port race): for tests and benchmarks.
 
-    `with BackgroundServer(app) as server: ... server.url ...`; the app's lifespan (engine, worker) runs
+    `with BackgroundServer(app) as server: ... server.url ...`; the app's lifespan (compute, worker) runs
     inside, and exiting stops it.
     """
 

@@ -29,23 +29,13 @@ from typing import Any, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from inflight.api.job_types import (
-    Datum,
-    ForwardBackwardJob,
-    ForwardBackwardOutput,
-    LoraSpec,
-    OptimStep,
-    SampledSequence,
-    SampleJob,
-    SampleOutput,
-)
+from inflight.api.job_types import ForwardBackwardJob, ForwardBackwardOutput, LoraSpec, OptimStep
 from inflight.api.sampler import SamplingLimits
 from inflight.errors import UserError
 from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
 from inflight.models.attention import use_cpu_float32_attention
 from inflight.models.device import resolve_device
 from inflight.models.loader import load_model, load_tokenizer, native_bfloat16, resolve, resolve_dtype
-from inflight.models.lora import LoraRouter
 from inflight.trainer.adapter_checkpoint import (
     CheckpointMeta,
     read_adapter_tensors,
@@ -55,19 +45,6 @@ from inflight.trainer.adapter_checkpoint import (
 from inflight.trainer.adapters import AdapterSet, TrainedAdapter
 from inflight.trainer.tinker_losses import PreparedJob, prepare_job
 from inflight.types import AdapterUpdate, DtypeName
-
-__all__ = [
-    "Datum",
-    "ForwardBackwardJob",
-    "ForwardBackwardOutput",
-    "LoraSpec",
-    "OptimStep",
-    "SampleJob",
-    "SampleOutput",
-    "SampledSequence",
-    "ServiceCompute",
-    "ServiceComputeConfig",
-]
 
 log = logging.getLogger(__name__)
 ItemT = TypeVar("ItemT")
@@ -108,14 +85,6 @@ class _Base:
     vocab_size: int
     max_context: int
     eos_ids: tuple[int, ...]
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.adapters.model
-
-    @property
-    def router(self) -> LoraRouter:
-        return self.adapters.router
 
 
 class ServiceCompute:

@@ -4,12 +4,12 @@ One round (`run_once`), schedule -> execute -> update:
   1. claim the head of every model whose next seq_id is ready: one future per model per round, so each
      model's requests run strictly in seq_id order while different models advance together;
   2. run the heads that change a model or write files (create, load, optim_step, saves) one by one;
-  3. run the forward / forward_backward heads as ONE engine call per base model, across LoRA adapters;
+  3. run the forward / forward_backward heads as ONE training pass per base model, across LoRA adapters;
   4. settle the samples the engine finished, and hand the pending samples of every sampling session to the
      shared engine (`sampler.py`: one engine loop per base model, continuous batching across sessions and
      adapters). Samples finish asynchronously: a long one never holds up another tenant's training.
 Routes only write futures and `wake` the loop; `on_finished(request_id)` tells long-polls a result is in.
-The training engine is never touched from any other thread; the sampler's loops only generate.
+The compute's trainer side is never touched from any other thread; the sampler's loops only generate.
 Every failure becomes a failed future (user or server category) and a count in `counters`; the loop itself
 never dies. No future stays running: one claimed in a round that dies midway (a DB hiccup, an error outside
 any one request) is failed at once, and a periodic sweep fails any running future this worker does not
@@ -100,7 +100,7 @@ class ModelUnavailableError(RuntimeError):
 class EngineWorker:
     def __init__(
         self,
-        engine: ServiceCompute,
+        compute: ServiceCompute,
         sampler: Sampler,
         db: Database,
         checkpoints: CheckpointStore,
@@ -109,7 +109,7 @@ class EngineWorker:
         on_finished: Callable[[str], None] = lambda request_id: None,
         config: WorkerConfig | None = None,
     ) -> None:
-        self.engine = engine
+        self.compute = compute
         self.sampler = sampler
         self.db = db
         self.store = FutureStore(db)
@@ -317,9 +317,9 @@ class EngineWorker:
 
     def _create_model(self, future: Future) -> bytes:
         request = _stored_request(CreateModelRequest, future)
-        if not self.engine.has_adapter(future.model_id):
+        if not self.compute.has_adapter(future.model_id):
             try:
-                self.engine.create_adapter(
+                self.compute.create_adapter(
                     future.model_id, request.base_model, jobs.lora_spec(request.lora_config)
                 )
             except Exception:
@@ -337,7 +337,7 @@ class EngineWorker:
                     f"{request.path} is a sampler checkpoint, which holds no optimizer state; load a "
                     "weights/ checkpoint, or load without the optimizer"
                 )
-            self.engine.load_state(future.model_id, checkpoint.storage_dir, load_optimizer=request.optimizer)
+            self.compute.load_state(future.model_id, checkpoint.storage_dir, load_optimizer=request.optimizer)
         except Exception:
             if future.seq_id == 0:  # create-via-load: the model exists only through this request
                 self._set_model_status(future.model_id, "failed")
@@ -348,7 +348,7 @@ class EngineWorker:
     def _optim_step(self, future: Future) -> bytes:
         self._require_adapter(future.model_id)
         step = jobs.optim_step(_stored_request(OptimStepRequest, future))
-        metrics = self.engine.optim_step(step)
+        metrics = self.compute.optim_step(step)
         return OptimStepResponse(metrics=metrics).model_dump_json().encode()
 
     def _save_weights(self, future: Future) -> bytes:
@@ -369,7 +369,7 @@ class EngineWorker:
         sampling_session_id = new_sampling_session_id(session_id, request.sampling_session_seq_id)
         # An inflight client follows the model: every inflight save refreshes one shared key.
         key = sampling_session_id if request.kind == "snapshot" else f"{future.model_id}:inflight"
-        update = self.engine.sampler_update(future.model_id, key)
+        update = self.compute.sampler_update(future.model_id, key)
         self.sampler.set_adapter(self._base_model(future.model_id), update)
         self._keep_snapshot(future.model_id, key)
         try:
@@ -417,16 +417,16 @@ class EngineWorker:
             )
         staged = self.checkpoints.staging_dir()
         if kind == "state":
-            size = self.engine.save_state(future.model_id, staged, include_optimizer=True)
+            size = self.compute.save_state(future.model_id, staged, include_optimizer=True)
         else:
-            size = self.engine.save_sampler_weights(future.model_id, staged)
+            size = self.compute.save_sampler_weights(future.model_id, staged)
         self.checkpoints.commit(path, staged, size_bytes=size, ttl_seconds=ttl_seconds, overwrite=overwrite)
         return str(path)
 
     # -- batched passes and samples -------------------------------------------------------------------
 
     def _run_passes(self, base_model: str, futures: list[Future]) -> None:
-        """All forward/forward_backward heads of one base model, whatever their adapter: one engine call."""
+        """All forward/forward_backward heads of one base model, whatever their adapter: one compute call."""
         batch: list[tuple[Future, ForwardBackwardJob]] = []
         for future in futures:
             try:
@@ -441,9 +441,9 @@ class EngineWorker:
 
     def _forward_backward(self, batch: list[tuple[Future, ForwardBackwardJob]]) -> None:
         try:
-            results = self.engine.forward_backward([job for _, job in batch])
+            results = self.compute.forward_backward([job for _, job in batch])
         except UserError as err:
-            # Per-job errors should come back in their slot; if the engine refused the whole batch up
+            # Per-job errors should come back in their slot; if the compute refused the whole batch up
             # front, run the jobs one by one so one bad request cannot fail its neighbours.
             if len(batch) == 1:
                 self._settle(batch[0][0], err)
@@ -549,7 +549,7 @@ class EngineWorker:
         if model_path is not None:
             if model_path not in self._sampler_keys:
                 checkpoint = self.checkpoints.get(model_path)
-                owner, update = self.engine.read_sampler_update(model_path, checkpoint.storage_dir)
+                owner, update = self.compute.read_sampler_update(model_path, checkpoint.storage_dir)
                 self.sampler.set_adapter(owner, update)
                 self._sampler_keys.add(model_path)
             return base_model, model_path
@@ -574,7 +574,7 @@ class EngineWorker:
         return self.limits[base_model]
 
     def _require_adapter(self, model_id: str) -> None:
-        if self.engine.has_adapter(model_id):
+        if self.compute.has_adapter(model_id):
             return
         with self.db.read() as session:
             row = session.get(ModelRow, model_id)
@@ -601,8 +601,8 @@ class EngineWorker:
                 .where(SessionRow.status == "finished", ModelRow.status == "ready")
             ).all()
         for model_id in model_ids:
-            if self.store.unfinished_count(model_id) == 0 and self.engine.has_adapter(model_id):
-                self.engine.delete_adapter(model_id)
+            if self.store.unfinished_count(model_id) == 0 and self.compute.has_adapter(model_id):
+                self.compute.delete_adapter(model_id)
                 for key in self._snapshots.pop(model_id, ()):
                     self._drop_snapshot(key)
                 self._set_model_status(model_id, "unloaded")

@@ -181,9 +181,8 @@ class BuiltinEngine:
         self._running: list[_Sequence] = []  # index = cache row; rows 0..n-1 are exactly the active ones
         # Shared with other threads, under _lock:
         self._lock = threading.Lock()
-        self._adapters: dict[
-            str, _Adapter
-        ] = {}  # registered by name; removed ones live on in their sequences
+        # Registered adapters by name; a removed one lives on in the sequences that hold it.
+        self._adapters: dict[str, _Adapter] = {}
         self._waiting: deque[tuple[SampleRequest, _Adapter | None]] = deque()
         self._in_flight: set[str] = set()  # request ids waiting or running
         self._aborts: set[str] = set()

