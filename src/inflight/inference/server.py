@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,8 +42,7 @@ from safetensors import SafetensorError
 
 from inflight.errors import UserError
 from inflight.inference.adapter_files import read_adapter_dir
-from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig, EngineMetrics
-from inflight.inference.engine import SteppedEngine
+from inflight.inference.backends import Backend, ServedEngine, load_backend
 from inflight.inference.engine_loop import EngineLoop, EngineLoopError, EngineRequestError
 from inflight.inference.openai_api import (
     ChatCompletionRequest,
@@ -70,7 +69,7 @@ from inflight.inference.wire import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from inflight.models.chat_template import end_of_turn, generation_stop_ids, render, reply_stop_ids
+from inflight.models.chat_template import end_of_turn, render, reply_stop_ids
 from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate, new_id
 
 
@@ -86,24 +85,6 @@ class EngineServerConfig(BaseModel):
     max_update_bytes: int = Field(default=16 * 2**30, ge=1)  # /update_weights_raw and /set_adapter_raw
     # When set, /update_weights and /set_adapter only read files under this directory.
     weights_dir: str | None = None
-
-
-class _ServedConfig(Protocol):
-    @property
-    def max_seq_len_tokens(self) -> int: ...
-
-
-class ServedEngine(SteppedEngine, Protocol):
-    """What the server needs of a backend besides the SteppedEngine protocol: the built-in engine and
-    `vllm_engine.VllmEngine` both provide it (the step loop polls `has_pending_update`; /metrics, /health and
-    the update routes read `metrics()`; the OpenAI routes read `config.max_seq_len_tokens`)."""
-
-    @property
-    def config(self) -> _ServedConfig: ...
-
-    def has_pending_update(self) -> bool: ...
-
-    def metrics(self) -> EngineMetrics: ...
 
 
 class HTTPError(Exception):
@@ -590,7 +571,7 @@ def serve(
     port: int = 8100,
     max_batch_size: int = 64,
     *,
-    backend: Literal["builtin", "vllm"] = "builtin",
+    backend: Backend = "builtin",
     kv_policy: str = "keep",
     max_seq_len_tokens: int | None = None,
     dtype: str = "float32",
@@ -604,61 +585,12 @@ def serve(
     check_model_dir(model)
     # The port is taken before the weights load: a port in use fails at once, and stays ours meanwhile.
     with contextlib.closing(bind_port(host, port)) as sock:
-        if backend == "vllm":
-            engine, stop_ids = _vllm_engine(model, max_batch_size, max_seq_len_tokens, dtype)
-        else:
-            engine, stop_ids = _builtin_engine(model, max_batch_size, max_seq_len_tokens, dtype, kv_policy)
+        engine, stop_ids = load_backend(backend, model, max_batch_size, max_seq_len_tokens, dtype, kv_policy)
         from inflight.models import load_tokenizer
 
         app = create_app(engine, load_tokenizer(model), EngineServerConfig(model_name=model), stop_ids)
         # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
         serve_on(sock, app, host, port, log_level=log_level, access_log=False)
-
-
-def _builtin_engine(
-    model: str, max_batch_size: int, max_seq_len_tokens: int | None, dtype: str, kv_policy: str
-) -> tuple[ServedEngine, tuple[int, ...]]:
-    from inflight.models import load_model, load_tokenizer
-
-    hf_model = load_model(model)
-    if max_seq_len_tokens is None:  # the cache is preallocated: a modest default, capped by the model
-        max_seq_len_tokens = min(1024, int(getattr(hf_model.config, "max_position_embeddings", 1024)))
-    config = BuiltinEngineConfig.model_validate(
-        dict(
-            max_batch_size=max_batch_size,
-            max_seq_len_tokens=max_seq_len_tokens,
-            dtype=dtype,
-            kv_policy=kv_policy,
-        )
-    )
-    engine = BuiltinEngine(hf_model, load_tokenizer(model), config)
-    return engine, generation_stop_ids(hf_model)  # the engine holds its own copy of the weights
-
-
-def _vllm_engine(
-    model: str, max_batch_size: int, max_seq_len_tokens: int | None, dtype: str
-) -> tuple[ServedEngine, tuple[int, ...]]:
-    import json
-
-    from inflight.inference.vllm_engine import VllmEngine, VllmEngineConfig  # lazy: imports vllm
-
-    directory = Path(model)
-    hf_config = json.loads((directory / "config.json").read_text())
-    if max_seq_len_tokens is None:  # the same default as the built-in engine's
-        max_seq_len_tokens = min(1024, int(hf_config.get("max_position_embeddings", 1024)))
-    generation = directory / "generation_config.json"
-    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
-    if eos is None:
-        eos = hf_config.get("eos_token_id")
-    stop_ids = () if eos is None else tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
-    config = VllmEngineConfig.model_validate(
-        dict(
-            max_batch_size=max_batch_size,
-            max_seq_len_tokens=max_seq_len_tokens,
-            dtype="float32" if dtype == "auto" else dtype,
-        )
-    )
-    return VllmEngine(model, config), stop_ids
 
 
 class ServerThread:
