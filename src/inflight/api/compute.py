@@ -17,6 +17,7 @@ batched calls, raised otherwise); anything else is a server fault.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import tempfile
@@ -265,9 +266,7 @@ class ServiceCompute:
 
     def sampler_update(self, model_id: str, key: str) -> AdapterUpdate:
         """The adapter's current weights as sampler weights named `key` (the engine copies them)."""
-        update = self._adapter_set(model_id).adapter_update(model_id)
-        update.name = key
-        return update
+        return dataclasses.replace(self._adapter_set(model_id).adapter_update(model_id), name=key)
 
     def read_sampler_update(self, key: str, path: Path) -> tuple[str, AdapterUpdate]:
         """A checkpoint's adapter as sampler weights named `key`, with the base model it belongs to."""
