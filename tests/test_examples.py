@@ -18,8 +18,9 @@ from inflight.cli import main
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SUMMARY_KEYS = {
-    "recipe", "mode", "steps", "wall_s", "eval_problems", "return_initial", "return_final",
-    "return_initial_sampled", "return_final_sampled", "return_first10", "return_last10", "run_dir",
+    "recipe", "mode", "steps", "wall_s", "eval_problems", "eval_problems_sampled", "return_initial",
+    "return_final", "return_initial_sampled", "return_final_sampled", "return_first10", "return_last10",
+    "run_dir",
 }  # fmt: skip
 QUICK = [
     "progress=false",

@@ -15,7 +15,8 @@ from inflight.models import load_model
 from inflight.trainer import LossConfig, MicroBatch, Trainer, TrainerConfig
 from inflight.trainer.checkpoint import load_checkpoint, save_checkpoint
 from inflight.trainer.config import lr_at
-from inflight.trainer.trainer import sampled_by
+from inflight.trainer.micro_batches import group_by_total_tokens, pack_rows
+from inflight.trainer.trainer import packing_is_exact, sampled_by
 from inflight.types import TrainSample
 
 
@@ -196,3 +197,96 @@ def test_the_schedule_drives_the_optimizer_and_survives_a_checkpoint(
     assert restored.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
     with pytest.raises(ValueError, match="lr_decay_steps"):
         Trainer(load_model(tiny_model_dir), TrainerConfig(lr_schedule="linear"))
+
+
+# ---- sequence packing ------------------------------------------------------------------------------------
+
+
+def test_pack_rows_fills_rows_first_fit_and_keeps_every_sequence() -> None:
+    lengths = [5, 17, 3, 9, 9, 40, 1, 12]
+    rows = pack_rows(lengths, capacity=20)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    for row in rows:
+        assert sum(lengths[i] for i in row) <= 20 or len(row) == 1  # the 40 goes alone
+    assert len(rows) == 4  # 40 | 17+3 | 12+5+1 | 9+9: nothing better exists for 96 tokens in rows of 20
+    groups = group_by_total_tokens(lengths, max_tokens=30, max_sequences=3)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        assert len(group) <= 3 and (sum(lengths[i] for i in group) <= 30 or len(group) == 1)
+
+
+def test_collate_packs_samples_end_to_end_with_restarting_positions() -> None:
+    samples = make_samples(5, vocab=50, seed=3)
+    mb = MicroBatch.collate(samples, pack=True)
+    assert mb.packed_ids is not None and mb.packed_positions is not None and mb.packed_flat is not None
+    width = max(len(s.token_ids) for s in samples) - 1
+    assert mb.packed_ids.shape[1] == width and mb.rows < len(samples)  # fewer rows than samples
+    flat_ids, flat_pos = mb.packed_ids.view(-1), mb.packed_positions.view(-1)
+    for b, s in enumerate(samples):
+        n = len(s.token_ids) - 1
+        index = mb.packed_flat[b, :n]
+        assert flat_ids[index].tolist() == s.token_ids[:-1]
+        assert flat_pos[index].tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean"])
+def test_packing_gives_the_gradients_of_padding(tiny_model_dir: Path, lora_rank: int, reduction: str) -> None:
+    """Every term the trainer adds (PPO, the top-k entropy bonus, the exact KL to the reference) over
+    packed rows against right-padded ones, micro-batched differently too."""
+    samples = make_samples(12, vocab=2048, seed=4)
+    loss = LossConfig(
+        name="ppo",
+        reduction=reduction,  # type: ignore[arg-type]
+        entropy_coef=0.1,
+        entropy_top_k=3,
+        kl_coef=0.1,
+        kl_estimator="exact_ref",
+    )
+
+    def run(packing: bool, micro: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = load_model(tiny_model_dir)
+        trainer = Trainer(
+            model, TrainerConfig(micro_batch_size=micro, loss=loss, packing=packing, lora_rank=lora_rank)
+        )
+        assert trainer.packing is packing
+        if lora_rank:  # a fresh adapter has B = 0: give B values so that A gets a gradient too
+            with torch.no_grad():
+                for p in trainer.policy.parameters()[1::2]:
+                    p.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
+        metrics = trainer.forward_backward(samples)
+        params = trainer.policy.parameters()
+        return metrics, {str(i): p.grad.clone() for i, p in enumerate(params) if p.grad is not None}
+
+    padded_metrics, padded = run(packing=False, micro=12)
+    packed_metrics, packed = run(packing=True, micro=5)
+    assert padded.keys() == packed.keys() and padded
+    assert sum(float(g.abs().sum()) for g in padded.values()) > 0
+    for name in padded:
+        torch.testing.assert_close(packed[name], padded[name], rtol=1e-4, atol=1e-6, msg=name)
+    for key in ("loss", "entropy", "kl", "logprob_diff_mean_abs"):
+        assert packed_metrics[key] == pytest.approx(padded_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+class _MixesPackedSequences(torch.nn.Module):
+    """A causal LM that ignores positions: each token's logits are the running mean of all embeddings before
+    it in its row, so packed sequences see each other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": 11})()
+        self.embed = torch.nn.Embedding(11, 11)
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> object:
+        h = self.embed(input_ids).cumsum(dim=1) / torch.arange(1, input_ids.shape[1] + 1)[None, :, None]
+        return type("Out", (), {"logits": h})()
+
+
+def test_a_model_that_mixes_packed_sequences_is_found_and_padded() -> None:
+    with pytest.warns(UserWarning, match="training pads instead"):
+        assert not packing_is_exact(_MixesPackedSequences(), torch.device("cpu"))
+
+
+def test_the_tiny_model_honours_packing(tiny_model_dir: Path) -> None:
+    assert packing_is_exact(load_model(tiny_model_dir), torch.device("cpu"))

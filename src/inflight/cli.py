@@ -16,7 +16,7 @@ from typing import get_args
 from inflight.errors import UserError
 from inflight.types import DtypeName
 
-BENCHMARKS = ("engine", "grpo", "pipeline", "serve", "sandbox")
+BENCHMARKS = ("engine", "grpo", "pipeline", "serve", "sandbox", "train", "trl")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -82,6 +82,9 @@ class EvalConfig(_Config):
     num_episodes: int = Field(default=10_000, ge=0)  # first test problems evaluated before/after; 0 = no eval
     every_steps: int = 0  # 0 = no evaluation during training
     num_episodes_during: int = 2_000  # a smaller set for the periodic evaluation
+    # The sampled evaluation's share of those (the first N; None: all): the greedy one is the measure of
+    # the policy and costs less per problem (identical requests are generated once).
+    num_episodes_sampled: int | None = Field(default=None, ge=0)
     seed: int = 1_000_000  # seeds the sampled evaluation's turns (the same for every evaluation)
 
 

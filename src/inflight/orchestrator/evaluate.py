@@ -2,14 +2,18 @@
 N test problems, once greedy and once sampled at the training temperature.
 
 The sampled evaluation seeds every turn from `eval.seed`, so each evaluation of each policy sees the same
-problems and the same random numbers (a paired comparison). Failed rollouts are counted and left out,
-under the guard's rules. Knows nothing of training: the policy comes through a `Driver` (`drivers.py`), and
+problems and the same random numbers (a paired comparison). Greedy decoding is a function of the prompt, so
+the greedy evaluation generates each distinct request once and hands the result to every rollout that asks
+it again (`greedy_once`): BlackJack's 10,000 test hands start from 2,815 distinct first turns, and its
+greedy evaluation sends ~45% fewer requests to the engine. Failed rollouts are counted and left out, under
+the guard's rules. Knows nothing of training: the policy comes through a `Driver` (`drivers.py`), and
 the loops log what this returns under `test/`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 
 from inflight.config import RunConfig
@@ -18,20 +22,23 @@ from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.task import Problems, Task
 from inflight.rollouts.api import GenerateFn, RolloutContext
 from inflight.rollouts.chat import ChatFormat
-from inflight.types import Rollout, SamplingParams
+from inflight.types import Completion, Rollout, SampleRequest, SamplingParams
 
 
 def evaluate(
     task: Task, problems: Problems, cfg: RunConfig, chat: ChatFormat, driver: Driver, num_problems: int
 ) -> dict[str, float]:
-    """On the first `num_problems` test problems: `return` and the mean of every rollout metric (e.g.
-    `correct`) of the sampling policy, the same with a `_greedy` suffix for greedy decoding, and the
-    failed rollouts of each (`rollout_errors`, `rollout_errors_greedy`)."""
+    """On the first `num_problems` test problems: the mean of every rollout metric (e.g. `correct`) and
+    `return` under greedy decoding (with a `_greedy` suffix) and, on the first `eval.num_episodes_sampled`
+    of them, of the sampling policy; the failed rollouts of each (`rollout_errors_greedy`,
+    `rollout_errors`)."""
     batch = [dict(problems[i]) for i in range(min(num_problems, len(problems)))]
     if not batch:
         return {}
     greedy = _play(task, batch, cfg, chat, driver, greedy=True)
-    sampled = _play(task, batch, cfg, chat, driver, greedy=False)
+    sampled_cap = cfg.eval.num_episodes_sampled
+    sampled_batch = batch if sampled_cap is None else batch[:sampled_cap]
+    sampled = _play(task, sampled_batch, cfg, chat, driver, greedy=False) if sampled_batch else {}
     return greedy | sampled
 
 
@@ -44,6 +51,8 @@ def _play(
     guard = RolloutGuard(cfg.rollout, min_rollouts=len(batch), what=f"test rollouts ({suffix or 'sampled'})")
 
     async def play(generate: GenerateFn) -> list[Rollout | None]:
+        if greedy:
+            generate = greedy_once(generate)
         seed = None if greedy else cfg.eval.seed
         contexts = [
             RolloutContext(generate, chat, params, f"test-{i}", i, 0, seed, cfg) for i in range(len(batch))
@@ -64,3 +73,31 @@ def _play(
         out[f"{key}{suffix}"] = statistics.fmean(r.metrics.get(key, 0.0) for r in rollouts)
     out[f"rollout_errors{suffix}"] = float(guard.failed)
     return out
+
+
+def greedy_once(generate: GenerateFn) -> GenerateFn:
+    """`generate` for greedy requests, each distinct one (prompt tokens, parameters, adapter) generated
+    once and its completion shared by every caller, also while it is in flight. Exact for a deterministic
+    policy; a batch-dependent rounding could in principle flip a near-tie between two tokens. Only for
+    temperature 0: a sampled request is passed through."""
+    shared: dict[tuple, asyncio.Future[Completion]] = {}
+
+    async def generate_once(request: SampleRequest) -> Completion:
+        if request.params.temperature > 0 or request.prompt_logprobs or request.topk_prompt_logprobs:
+            return await generate(request)
+        key = (tuple(request.prompt_token_ids), request.params, request.adapter)
+        future = shared.get(key)
+        if future is None:
+            # Its own task: one caller's timeout or cancellation leaves the others theirs.
+            future = shared[key] = asyncio.ensure_future(generate(request))
+        done = await asyncio.shield(future)
+        return dataclasses.replace(
+            done,
+            request_id=request.request_id,
+            prompt_token_ids=list(done.prompt_token_ids),
+            token_ids=list(done.token_ids),
+            logprobs=list(done.logprobs),
+            versions=list(done.versions),
+        )
+
+    return generate_once

@@ -99,8 +99,9 @@ def run(cfg: RunConfig, task: Task) -> dict[str, Any]:
             if cfg.mode == "sync":  # the pipeline writes its own (with stream offsets and buffered groups)
                 save_checkpoint(trainer, run_dir / "checkpoint", extra={"step": last_step})
 
-            evaluated = min(cfg.eval.num_episodes, len(test_problems))
-            summary = build_summary(cfg, task, run_dir, t0, first_step, history, evaluated, initial, final)
+            summary = build_summary(
+                cfg, task, run_dir, t0, first_step, history, len(test_problems), initial, final
+            )
             logger.log(last_step, summary, phase="summary")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_run(run_dir)
@@ -171,15 +172,17 @@ def build_summary(
     t0: float,
     first_step: int,
     history: list[dict[str, float]],
-    eval_problems: int,
+    test_problems: int,
     initial: dict[str, float],
     final: dict[str, float],
 ) -> dict[str, Any]:
     """The keys every task reports, in this order: recipe, mode, steps (the whole run's, those before a
-    resume included), wall_s, eval_problems, return_initial/final (greedy decoding on the test problems),
+    resume included), wall_s, eval_problems and eval_problems_sampled (how many test problems the greedy
+    and the sampled evaluation played), return_initial/final (greedy decoding on the test problems),
     return_initial/final_sampled (the sampling policy), the task's `summarize()` keys, return_first10/last10
     (mean training reward of the first and last tenth of the steps this process ran), run_dir."""
     rewards = [h["reward_mean"] for h in history]
+    evaluated, sampled_cap = min(cfg.eval.num_episodes, test_problems), cfg.eval.num_episodes_sampled
     tenth = max(1, len(rewards) // 10)
     extra = task.summarize(cfg, initial, final) if task.summarize and initial and final else {}
     return {
@@ -187,7 +190,8 @@ def build_summary(
         "mode": cfg.mode,
         "steps": first_step + len(history),
         "wall_s": round(time.perf_counter() - t0, 1),
-        "eval_problems": eval_problems,
+        "eval_problems": evaluated,
+        "eval_problems_sampled": evaluated if sampled_cap is None else min(sampled_cap, evaluated),
         "return_initial": _rounded(initial.get("return_greedy")),
         "return_final": _rounded(final.get("return_greedy")),
         "return_initial_sampled": _rounded(initial.get("return")),

@@ -10,6 +10,7 @@ Env adapter and which problem a run trains on at index k; knows nothing of where
 
 from __future__ import annotations
 
+import functools
 import inspect
 import random
 import threading
@@ -79,6 +80,19 @@ def make_env(factory: EnvFactory | None, cfg: RunConfig, split: str) -> Environm
 
 
 def _takes_split(factory: EnvFactory | None) -> bool:
+    """Read once per factory (a signature costs ~90 us, and every episode builds an environment)."""
+    try:
+        return _takes_split_cached(factory)
+    except TypeError:  # an unhashable factory: read it every time
+        return _reads_split(factory)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_split_cached(factory: EnvFactory | None) -> bool:
+    return _reads_split(factory)
+
+
+def _reads_split(factory: EnvFactory | None) -> bool:
     if factory is None:
         return False
     try:

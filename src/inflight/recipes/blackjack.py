@@ -41,7 +41,11 @@ def preset() -> RunConfig:
         # the cards and to answer `hit`/`stand`; the replies are random, never the strategy.
         warmup=WarmupConfig(sft_steps=100, sft_batch_size=64, sft_lr=3e-3, tokens="all"),
         engine=BuiltinEngineConfig(max_batch_size=128),
-        eval=EvalConfig(num_episodes=10_000, every_steps=100, num_episodes_during=1_000),
+        # The learning bar is greedy play on the 10,000 fixed hands; the sampled policy's return is reported
+        # on the first 2,000 of them (standard error ~0.02), where it costs a fifth.
+        eval=EvalConfig(
+            num_episodes=10_000, num_episodes_sampled=2_000, every_steps=100, num_episodes_during=1_000
+        ),
     )
 
 

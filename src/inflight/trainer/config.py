@@ -80,10 +80,15 @@ class TrainerConfig(BaseModel):
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # 0 = no clipping
     # A micro-batch (one forward/backward; gradients accumulate across them) holds at most
-    # micro_batch_size samples and, when set, micro_batch_tokens padded tokens (rows x longest row, which
-    # bounds activation memory); a longer sample goes alone. Similar lengths share one (less padding).
+    # micro_batch_size samples and, when set, micro_batch_tokens tokens (packed: the samples' tokens;
+    # padded: rows x longest row; either way what bounds activation memory); a longer sample goes alone.
     micro_batch_size: int = 32
     micro_batch_tokens: int | None = None
+    # Sequence packing: a micro-batch's samples laid end to end in rows as long as its longest sample, each
+    # attending only to itself (positions restart), so no compute goes to padding. Checked once against a
+    # padded forward of the model (falls back to padding, with a warning, where a model does not honour
+    # it); false: right-padded rows, similar lengths together.
+    packing: bool = True
     # Recompute each layer's activations in the backward pass (HF's, non-reentrant): activation memory
     # of one layer instead of all, for about one more forward pass of compute.
     gradient_checkpointing: bool = False

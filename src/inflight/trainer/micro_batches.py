@@ -34,3 +34,51 @@ def pack_by_tokens(
                 continue
         batches.append([i])
     return batches
+
+
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Sequence packing: indices grouped into rows of at most `capacity` tokens in total (a sequence longer
+    than `capacity` goes alone), first-fit decreasing, so that a forward pass spends nothing on padding.
+
+    Each row's sequences stay independent in the forward pass (positions restart at 0, attention stays
+    inside each sequence); `Trainer` checks once that its model honours that.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    rows: list[list[int]] = []
+    free: list[int] = []  # tokens left in each row
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, left in enumerate(free):
+            if lengths[i] <= left:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return rows
+
+
+def group_by_total_tokens(
+    lengths: Sequence[int], max_tokens: int | None, max_sequences: int | None = None
+) -> list[list[int]]:
+    """Indices grouped (longest first) so that each group's lengths sum to at most `max_tokens` and it
+    holds at most `max_sequences` (None: no bound); a sequence longer than `max_tokens` goes alone. The
+    micro-batches of packed training, whose cost grows with the tokens, not with the longest sequence."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_sequences is not None and max_sequences < 1:
+        raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups:
+            fits_tokens = max_tokens is None or total + lengths[i] <= max_tokens
+            fits_count = max_sequences is None or len(groups[-1]) < max_sequences
+            if fits_tokens and fits_count:
+                groups[-1].append(i)
+                total += lengths[i]
+                continue
+        groups.append([i])
+        total = lengths[i]
+    return groups

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from inflight.errors import UserError
+from inflight.errors import UserError, describe
 from inflight.losses import (
     KL_ESTIMATORS,
     LOSSES,
@@ -32,7 +33,7 @@ from inflight.models.device import resolve_device
 from inflight.models.loader import native_bfloat16
 from inflight.trainer.config import TrainerConfig, lr_at
 from inflight.trainer.lora_policy import LoraPolicy
-from inflight.trainer.micro_batches import pack_by_tokens
+from inflight.trainer.micro_batches import group_by_total_tokens, pack_by_tokens, pack_rows
 from inflight.trainer.policy import FullPolicy, Policy
 from inflight.trainer.types import LoraSpec, OptimStep
 from inflight.types import AdapterUpdate, TrainSample
@@ -40,7 +41,10 @@ from inflight.types import AdapterUpdate, TrainSample
 
 @dataclass
 class MicroBatch:
-    """Right-padded tensors for one forward/backward. Position t holds the target token t+1 of a sample."""
+    """One forward/backward's tensors. The loss's are per sample, right-padded [B, T]: position t holds the
+    target token t+1 of sample b. The forward pass's are either the same padded rows (`input_ids`,
+    `attention_mask`) or, packed, the samples laid end to end in rows without padding (`packed_ids`,
+    `packed_positions`), `packed_flat` saying where each (b, t) landed."""
 
     input_ids: torch.Tensor  # [B, T] tokens 0..T-1 of each sample (padded)
     attention_mask: torch.Tensor  # [B, T] 1 for real tokens
@@ -51,20 +55,47 @@ class MicroBatch:
     # [B, T] bool: target t+1 was sampled by weights of version `current_version` on a prefix those same
     # weights computed (its whole reply was); there, engine and trainer logprobs must agree exactly.
     current: torch.Tensor
+    packed_ids: torch.Tensor | None = None  # [R, L] the samples' input tokens end to end, 0-padded at the end
+    packed_positions: torch.Tensor | None = None  # [R, L] each token's position in its own sample
+    packed_flat: torch.Tensor | None = None  # [B, T] index of input token (b, t) in packed_ids.view(-1)
 
     @property
     def rows(self) -> int:
-        return int(self.input_ids.shape[0])
+        """Rows of the forward pass (packed rows when packed)."""
+        ids = self.packed_ids if self.packed_ids is not None else self.input_ids
+        return int(ids.shape[0])
 
     def to(self, device: torch.device) -> MicroBatch:
         """The same tensors on `device` (collated on the CPU, then one copy each)."""
+        fields: dict[str, torch.Tensor | None] = {
+            name: getattr(self, name) for name in self.__dataclass_fields__
+        }
         return MicroBatch(
-            **{name: getattr(self, name).to(device, non_blocking=True) for name in self.__dataclass_fields__}
+            **{name: t if t is None else t.to(device, non_blocking=True) for name, t in fields.items()}  # type: ignore[arg-type]
         )
+
+    def forward_inputs(self) -> dict[str, torch.Tensor | bool | None]:
+        """Keyword arguments of a Hugging Face forward over this micro-batch. Packed: no attention mask, so
+        that the model finds each sample from the restarting positions (transformers' packed-sequence
+        masking)."""
+        if self.packed_ids is not None:
+            return {"input_ids": self.packed_ids, "position_ids": self.packed_positions, "use_cache": False}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "use_cache": False}
+
+    def select(self, out: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[N, D] rows of a forward output [rows, L, D] at the (b, t) positions `where`."""
+        rows, cols = where
+        if self.packed_flat is None:
+            return out[rows, cols]
+        return out.reshape(-1, out.shape[-1])[self.packed_flat[rows, cols]]
 
     @classmethod
     def collate(
-        cls, samples: Sequence[TrainSample], pad_id: int = 0, current_version: int | None = None
+        cls,
+        samples: Sequence[TrainSample],
+        pad_id: int = 0,
+        current_version: int | None = None,
+        pack: bool = False,
     ) -> MicroBatch:
         width = max(len(s.token_ids) for s in samples) - 1
         if width < 1:
@@ -76,8 +107,27 @@ class MicroBatch:
                 out[i, : len(row)] = torch.tensor(row, dtype=dtype)
             return out
 
+        inputs = [s.token_ids[:-1] for s in samples]
+        packed = {}
+        if pack:
+            lengths = [len(ids) for ids in inputs]
+            rows = pack_rows(lengths, capacity=width)
+            packed_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+            # Each row's unused tail counts up from 0 too: a sequence of its own, attending to nothing real.
+            positions = torch.arange(width).repeat(len(rows), 1)
+            flat = torch.zeros((len(samples), width), dtype=torch.long)
+            for r, members in enumerate(rows):
+                start = 0
+                for i in members:
+                    n = lengths[i]
+                    packed_ids[r, start : start + n] = torch.tensor(inputs[i])
+                    positions[r, start : start + n] = torch.arange(n)
+                    flat[i, :n] = torch.arange(r * width + start, r * width + start + n)
+                    start += n
+                positions[r, start:] = torch.arange(width - start)
+            packed = {"packed_ids": packed_ids, "packed_positions": positions, "packed_flat": flat}
         return cls(
-            input_ids=pad([s.token_ids[:-1] for s in samples], torch.long, pad_id),
+            input_ids=pad(inputs, torch.long, pad_id),
             attention_mask=pad([[1] * (len(s.token_ids) - 1) for s in samples], torch.long),
             targets=pad([s.token_ids[1:] for s in samples], torch.long),
             mask=pad([s.loss_mask[1:] for s in samples], torch.float32),
@@ -86,6 +136,7 @@ class MicroBatch:
             current=pad(
                 [sampled_by(s.versions, s.loss_mask, current_version)[1:] for s in samples], torch.bool
             ),
+            **packed,
         )
 
 
@@ -111,6 +162,42 @@ def sampled_by(versions: Sequence[int], loss_mask: Sequence[float], version: int
     return out
 
 
+def packing_is_exact(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether `model` keeps packed sequences apart: two short sequences in one row (positions restarting,
+    no attention mask) give the logits each gives alone. Warns (and the trainer pads) where they do not,
+    e.g. a model whose attention ignores `position_ids`."""
+    lengths = (5, 7)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
+    generator = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, vocab, (n,), generator=generator).to(device) for n in lengths]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = [model(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs]
+            positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+            packed = model(input_ids=torch.cat(seqs)[None], position_ids=positions, use_cache=False)
+            together = packed.logits[0].float().split(list(lengths))
+    except Exception as e:  # a model whose forward takes no position_ids
+        warnings.warn(
+            f"{type(model).__name__} cannot run packed sequences ({describe(e)}): padding", stacklevel=2
+        )
+        return False
+    finally:
+        model.train(was_training)
+    exact = all(
+        torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(a.abs().max()))
+        for a, b in zip(alone, together, strict=True)
+    )
+    if not exact:
+        warnings.warn(
+            f"{type(model).__name__} mixes packed sequences (its attention does not restart at position 0): "
+            "training pads instead (trainer.packing=false silences this)",
+            stacklevel=2,
+        )
+    return exact
+
+
 class Trainer:
     """Policy model + AdamW. `version` counts optimizer steps applied (the policy version contract).
 
@@ -128,6 +215,7 @@ class Trainer:
             config.autocast_bf16 == "auto" and native_bfloat16(self.device)
         )
         model.to(self.device)
+        self.packing = config.packing and packing_is_exact(model, self.device)
         if config.gradient_checkpointing:
             if not getattr(model, "supports_gradient_checkpointing", False):
                 raise UserError(
@@ -174,11 +262,14 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
-        """At most micro_batch_size samples and micro_batch_tokens padded tokens each, similar lengths
-        together (less padding)."""
+        """At most micro_batch_size samples and micro_batch_tokens tokens each (packed: their sum; padded:
+        rows x longest row, similar lengths together)."""
         lengths = [len(s.token_ids) - 1 for s in samples]
         cfg = self.config
-        groups = pack_by_tokens(lengths, cfg.micro_batch_tokens, cfg.micro_batch_size)
+        if self.packing:
+            groups = group_by_total_tokens(lengths, cfg.micro_batch_tokens, cfg.micro_batch_size)
+        else:
+            groups = pack_by_tokens(lengths, cfg.micro_batch_tokens, cfg.micro_batch_size)
         return [[samples[i] for i in group] for group in groups]
 
     def _trained_logits(
@@ -195,15 +286,13 @@ class Trainer:
         RL samples are mostly prompt and environment tokens; running the LM head, log-softmax and
         entropy only where the loss looks saves most of their cost.
         """
-        rows, cols = where
         decoder, head = model.get_decoder(), model.get_output_embeddings()  # type: ignore[operator]
-        inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "use_cache": False}
         with self._autocast():
             if decoder is None or head is None:  # not a decoder + LM head model: full logits, then select
-                return model(**inputs).logits[rows, cols].float()
-            hidden = decoder(**inputs).last_hidden_state
+                return mb.select(model(**mb.forward_inputs()).logits, where).float()
+            hidden = decoder(**mb.forward_inputs()).last_hidden_state
             with routing(1):  # [1, N, H]
-                return head(hidden[rows, cols][None])[0].float()
+                return head(mb.select(hidden, where)[None])[0].float()
 
     def forward_backward(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Accumulate gradients of the loss over `samples`, in micro-batches. Returns step metrics."""
@@ -235,7 +324,7 @@ class Trainer:
 
         # The sums use the step's global denominators, so the grouping does not change the result.
         for group in self._micro_batches(samples):
-            cpu_mb = MicroBatch.collate(group, self.pad_id, self.version)
+            cpu_mb = MicroBatch.collate(group, self.pad_id, self.version, pack=self.packing)
             mb_tokens = float(cpu_mb.mask.sum())
             # Found on the CPU, where the batch was built: no wait for the device.
             where_cpu = cpu_mb.mask.nonzero(as_tuple=True)

@@ -1,0 +1,170 @@
+"""`inflight bench train`: the trainer alone on the batch of `make run`, against a plain Hugging Face step.
+
+The batch: 128 BlackJack episodes (16 groups x 8, the recipe's step) played by random legal replies on the
+tiny model's chat format (~44 tokens each, replies ~4, lengths 30-150), their reply tokens trained with
+behaviour log-probs near the policy's and advantages of +-1, under the recipe's own TrainerConfig (PPO with
+its top-3 entropy bonus and the exact KL to a frozen reference, micro-batches of 32). One step is
+forward/backward over the batch and the AdamW step.
+
+The baseline is what a user writes with `transformers` alone on the same batch and model: one padded
+forward of the whole batch (`model(input_ids, attention_mask).logits`), log-softmax and gather, the
+token-mean policy-gradient loss, backward, `torch.optim.AdamW`. It does less than the trainer (no
+reference model, no entropy bonus, no clipping), so `ratio_vs_hf` understates the trainer's advantage.
+
+Keys: `train_tokens_per_s` (every token of the batch, prompt and environment tokens included, over the
+step time; the trainer's own `train_tokens_per_s` counts the same), `hf_tokens_per_s`, `ratio_vs_hf`
+(goal >= 3, issue 16) and `mfu`: model FLOPs per step (6 x parameters x tokens for the policy, 2 x ... for
+the reference's forward, attention ignored) over the CPU's peak (`--peak-gflops`, by default from lscpu's
+flags: 2 FMA units of the widest vector per core per cycle at the nominal clock, bf16 on AMX counted at
+fp32's peak since the model runs fp32 weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from inflight.config import apply_overrides
+from inflight.envs.blackjack import BlackJackEnv
+from inflight.orchestrator.setup import build_trainer, load_policy, pad_id
+from inflight.recipes.blackjack import preset
+from inflight.rollouts.chat import ChatFormat
+from inflight.rollouts.episodes import run_scripted_episode
+from inflight.types import TrainSample
+
+
+def make_batch(chat: ChatFormat, size: int, seed: int) -> list[TrainSample]:
+    """`size` BlackJack episodes of random legal play as RL samples (advantage +-1, behaviour logprobs
+    of a near-uniform two-way choice: ratios near 1, as on policy)."""
+    rng = random.Random(seed)
+    env = BlackJackEnv()
+    samples = []
+    for i in range(size):
+        rollout = run_scripted_episode(
+            env, rng.getrandbits(62), lambda obs: str(rng.choice(obs.legal_actions)), chat, 8
+        )
+        sample = TrainSample.from_rollout(rollout, advantage=1.0 if i % 2 else -1.0)
+        sample.behaviour_logprobs = [-0.7 * m for m in sample.loss_mask]
+        samples.append(sample)
+    env.close()
+    return samples
+
+
+def hf_step(model: torch.nn.Module, lr: float, pad: int) -> Callable[[list[TrainSample]], None]:
+    """A plain transformers training step over the whole batch (one padded forward)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
+
+    def step(samples: list[TrainSample]) -> None:
+        width = max(len(s.token_ids) for s in samples)
+        ids = torch.full((len(samples), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(samples), width), dtype=torch.long)
+        mask = torch.zeros((len(samples), width))
+        adv = torch.zeros((len(samples), width))
+        for i, s in enumerate(samples):
+            n = len(s.token_ids)
+            ids[i, :n] = torch.tensor(s.token_ids)
+            attention[i, :n] = 1
+            mask[i, :n] = torch.tensor(s.loss_mask)
+            adv[i, :n] = torch.tensor(s.advantages)
+        model.train()
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        m = mask[:, 1:]
+        loss = -(lp * adv[:, 1:] * m).sum() / m.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def peak_gflops() -> float:
+    """The CPU's nominal fp32 peak over the cores this process may use (lscpu's flags and clock)."""
+    flags, mhz = "", 0.0
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags") and not flags:
+                flags = line
+            elif line.startswith("cpu MHz") and not mhz:
+                mhz = float(line.split(":")[1])
+    lanes = 16 if " avx512f" in flags else 8 if " avx2" in flags else 4
+    cores = len(os.sched_getaffinity(0))
+    return cores * mhz / 1000 * lanes * 2 * 2  # 2 FMA units, 2 FLOPs per FMA
+
+
+def timed(step: Callable[[], object], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="inflight bench train", description=__doc__)
+    parser.add_argument("--samples", type=int, default=128, help="samples per step (make run: 16 x 8)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per side, after 2 warm-up")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two sides; median taken")
+    parser.add_argument("--peak-gflops", type=float, default=None, help="the CPU's peak (default: lscpu)")
+    parser.add_argument("--model", default=None, help="model dir or hub id (default: the tiny preset)")
+    parser.add_argument(
+        "set", nargs="*", help="key=value overrides of the recipe (e.g. trainer.autocast_bf16=true)"
+    )
+    args = parser.parse_args(argv)
+
+    cfg = apply_overrides(preset(), args.set)
+    if args.model:
+        cfg.model.path = args.model
+    model, tokenizer = load_policy(cfg)
+    chat = ChatFormat.for_model(tokenizer, model)
+    pad = pad_id(tokenizer)
+    batch = make_batch(chat, args.samples, seed=0)
+    tokens = sum(len(s.token_ids) for s in batch)
+    baseline_model = copy.deepcopy(model)
+    trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
+    baseline = hf_step(baseline_model, cfg.trainer.lr, pad)
+    print(f"batch: {len(batch)} samples, {tokens} tokens; {torch.get_num_threads()} threads", flush=True)
+
+    for _ in range(2):
+        trainer.train_step(batch)
+        baseline(batch)
+    ours: list[float] = []
+    theirs: list[float] = []
+    for r in range(args.rounds):
+        ours += timed(lambda: trainer.train_step(batch), args.steps)
+        theirs += timed(lambda: baseline(batch), args.steps)
+        print(
+            f"round {r + 1}/{args.rounds}: inflight {statistics.median(ours) * 1e3:.1f} ms/step, "
+            f"hf {statistics.median(theirs) * 1e3:.1f} ms/step",
+            flush=True,
+        )
+    ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+    params = sum(p.numel() for p in model.parameters())
+    flops = 6 * params * tokens + (2 * params * tokens if cfg.trainer.loss.kl_coef > 0 else 0)
+    peak = args.peak_gflops or peak_gflops()
+    result = {
+        "benchmark": "train",
+        "train_tokens_per_s": round(tokens / ours_s, 1),
+        "hf_tokens_per_s": round(tokens / theirs_s, 1),
+        "ratio_vs_hf": round(theirs_s / ours_s, 3),
+        "mfu": round(flops / ours_s / (peak * 1e9), 4),
+        "step_ms": round(ours_s * 1e3, 1),
+        "hf_step_ms": round(theirs_s * 1e3, 1),
+        "batch": f"{len(batch)} samples, {tokens} tokens",
+        "params": params,
+        "peak_gflops": round(peak, 1),
+        "autocast_bf16": trainer._bf16,
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result))
+    return result
