@@ -11,6 +11,11 @@ forward of the whole batch (`model(input_ids, attention_mask).logits`), log-soft
 token-mean policy-gradient loss, backward, `torch.optim.AdamW`. It does less than the trainer (no
 reference model, no entropy bonus, no clipping), so `ratio_vs_hf` understates the trainer's advantage.
 
+`--beside-busy` measures the trainer once more beside a CPU-burning neighbour (another process multiplying
+matrices on as many OpenMP threads as there are cores, with OpenMP's default spinning wait policy, as any
+torch program would): `slowdown_beside_busy` is its step time there over the step time alone (issue 16
+item 3: a fair share of 2 cores beside one such process is a slowdown of about 2, not fifteen).
+
 Keys: `train_tokens_per_s` (every token of the batch, prompt and environment tokens included, over the
 step time; the trainer's own `train_tokens_per_s` counts the same), `hf_tokens_per_s`, `ratio_vs_hf`
 (goal >= 3, issue 16) and `mfu`: model FLOPs per step (6 x parameters x tokens for the policy, 2 x ... for
@@ -22,13 +27,16 @@ fp32's peak since the model runs fp32 weights).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -101,6 +109,21 @@ def peak_gflops() -> float:
     return cores * mhz / 1000 * lanes * 2 * 2  # 2 FMA units, 2 FLOPs per FMA
 
 
+# A neighbour as any torch program is: matrix products on OpenMP's default threads, spinning between them.
+BUSY_NEIGHBOUR = "import torch\na = torch.randn(384, 384)\nwhile True:\n    a @ a\n"
+
+
+@contextlib.contextmanager
+def busy_neighbour() -> Iterator[None]:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    process = subprocess.Popen([sys.executable, "-c", BUSY_NEIGHBOUR], env=env)
+    try:
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
 def timed(step: Callable[[], object], repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
@@ -116,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per side, after 2 warm-up")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the two sides; median taken")
     parser.add_argument("--peak-gflops", type=float, default=None, help="the CPU's peak (default: lscpu)")
+    parser.add_argument(
+        "--beside-busy", action="store_true", help="also measure beside a CPU-burning neighbour process"
+    )
     parser.add_argument("--model", default=None, help="model dir or hub id (default: the tiny preset)")
     parser.add_argument(
         "set", nargs="*", help="key=value overrides of the recipe (e.g. trainer.autocast_bf16=true)"
@@ -149,6 +175,16 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+    busy: dict[str, float] = {}
+    if args.beside_busy:
+        with busy_neighbour():
+            time.sleep(2.0)  # its threads are up and spinning
+            beside = statistics.median(timed(lambda: trainer.train_step(batch), args.steps))
+        print(f"beside a busy neighbour: inflight {beside * 1e3:.1f} ms/step", flush=True)
+        busy = {
+            "step_ms_beside_busy": round(beside * 1e3, 1),
+            "slowdown_beside_busy": round(beside / ours_s, 2),
+        }
     params = sum(p.numel() for p in model.parameters())
     flops = 6 * params * tokens + (2 * params * tokens if cfg.trainer.loss.kl_coef > 0 else 0)
     peak = args.peak_gflops or peak_gflops()
@@ -164,7 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
         "params": params,
         "peak_gflops": round(peak, 1),
         "autocast_bf16": trainer._bf16,
+        "packing": trainer.packing,
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(libgomp default: spin)"),
+        **busy,
     }
     print(json.dumps(result))
     return result

@@ -16,7 +16,7 @@ from inflight.trainer import LossConfig, MicroBatch, Trainer, TrainerConfig
 from inflight.trainer.checkpoint import load_checkpoint, save_checkpoint
 from inflight.trainer.config import lr_at
 from inflight.trainer.micro_batches import group_by_total_tokens, pack_rows
-from inflight.trainer.trainer import packing_is_exact, sampled_by
+from inflight.trainer.trainer import packing_is_exact, sampled_by, through_last_trained
 from inflight.types import TrainSample
 
 
@@ -290,3 +290,28 @@ def test_a_model_that_mixes_packed_sequences_is_found_and_padded() -> None:
 
 def test_the_tiny_model_honours_packing(tiny_model_dir: Path) -> None:
     assert packing_is_exact(load_model(tiny_model_dir), torch.device("cpu"))
+
+
+def test_tokens_after_the_last_trained_one_are_not_computed_and_change_nothing(tiny_model_dir: Path) -> None:
+    samples = make_samples(4, vocab=2048, seed=5)
+    tails = [
+        TrainSample(
+            token_ids=s.token_ids + [7] * 9,  # e.g. an environment's closing message
+            loss_mask=s.loss_mask + [0.0] * 9,
+            behaviour_logprobs=s.behaviour_logprobs + [0.0] * 9,
+            advantages=s.advantages + [0.0] * 9,
+            versions=s.versions + [-1] * 9,
+        )
+        for s in samples
+    ]
+    assert [through_last_trained(t).token_ids for t in tails] == [s.token_ids for s in samples]
+    untrained = TrainSample([1, 2, 3], [0.0, 0.0, 0.0], [0.0] * 3, [0.0] * 3, [-1] * 3)
+    assert through_last_trained(untrained) is untrained
+
+    def grads(batch: list[TrainSample]) -> list[torch.Tensor]:
+        model = load_model(tiny_model_dir)
+        Trainer(model, TrainerConfig(packing=False)).forward_backward(batch)
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    for a, b in zip(grads(tails), grads(samples), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -140,6 +140,23 @@ class MicroBatch:
         )
 
 
+def through_last_trained(sample: TrainSample) -> TrainSample:
+    """The sample cut after its last trained token. What follows (in RL, typically the environment's last
+    message: a third of a BlackJack episode) cannot change the logits at any trained position under causal
+    attention, so the forward and backward passes need not see it. A sample with nothing trained is kept."""
+    last = next((i for i in range(len(sample.loss_mask) - 1, 0, -1) if sample.loss_mask[i]), None)
+    if last is None or last == len(sample.token_ids) - 1:
+        return sample
+    end = last + 1
+    return TrainSample(
+        token_ids=sample.token_ids[:end],
+        loss_mask=sample.loss_mask[:end],
+        behaviour_logprobs=sample.behaviour_logprobs[:end],
+        advantages=sample.advantages[:end],
+        versions=sample.versions[:end],
+    )
+
+
 def sampled_by(versions: Sequence[int], loss_mask: Sequence[float], version: int | None) -> list[bool]:
     """Per token: trained, and its reply (a run of trained tokens) was sampled by `version` throughout.
 
@@ -323,7 +340,7 @@ class Trainer:
             )
 
         # The sums use the step's global denominators, so the grouping does not change the result.
-        for group in self._micro_batches(samples):
+        for group in self._micro_batches([through_last_trained(s) for s in samples]):
             cpu_mb = MicroBatch.collate(group, self.pad_id, self.version, pack=self.packing)
             mb_tokens = float(cpu_mb.mask.sum())
             # Found on the CPU, where the batch was built: no wait for the device.
