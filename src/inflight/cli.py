@@ -92,8 +92,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         dtype=args.dtype,
         device=args.device,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
     return 0
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _cmd_serve_engine(args: argparse.Namespace) -> int:
@@ -162,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Tinker-compatible training and sampling service",
         description="Serve Tinker's REST API (forward_backward, optim_step, sample, save_state, ...) for "
         "LoRA adapters over local base models; the official `tinker` SDK is the client. Example: "
-        "`inflight serve --base-model tiny=/path/to/model --port 8000`.",
+        "`inflight serve --base-model tiny=/path/to/model --port 8000`. Prometheus metrics at /metrics; one "
+        "JSON line per request on stdout; SIGTERM or Ctrl-C drains the requests in flight "
+        "(--shutdown-grace-s) before it stops. Bad input is one line on stderr and exit code 2.",
     )
     serve.add_argument(
         "--base-model",
@@ -195,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="where base models, adapters, training and sampling run: auto (a CUDA GPU when there is one, "
         "else cpu), cpu, cuda or cuda:N",
+    )
+    serve.add_argument(
+        "--shutdown-grace-s",
+        type=_seconds,
+        default=20.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, new work is refused (503) and the requests already accepted get this long "
+        "to finish; what is left then fails with an error naming the shutdown (default 20; a second signal "
+        "ends the wait at once)",
     )
     serve.set_defaults(func=_cmd_serve)
 

@@ -14,12 +14,15 @@ import inspect
 import json
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from inflight.errors import UserError
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from inflight.config import RunConfig
 
 CONNECT_TIMEOUT_S = 10  # a database or engine that has not answered by then is reported as unreachable
@@ -58,11 +61,23 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_on(sock: socket.socket, app: Any, host: str, port: int, **uvicorn_config: Any) -> None:
-    """Run `app` with uvicorn on the socket from `bind_port` until interrupted, as `uvicorn.run` would."""
+def serve_on(
+    sock: socket.socket,
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    make_server: Callable[[uvicorn.Config], uvicorn.Server] | None = None,
+    **uvicorn_config: Any,
+) -> None:
+    """Run `app` with uvicorn on the socket from `bind_port` until interrupted, as `uvicorn.run` would.
+
+    `make_server` builds the uvicorn server from its config (default `uvicorn.Server`), e.g. one that drains
+    the app on a signal before it stops."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **uvicorn_config))
+    config = uvicorn.Config(app, host=host, port=port, **uvicorn_config)
+    server = (make_server or uvicorn.Server)(config)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn.run's behaviour: Ctrl-C is a clean stop
         server.run(sockets=[sock])
     if not server.started:
@@ -127,7 +142,12 @@ def check_database(url: str, what: str = "--db", timeout_s: int = CONNECT_TIMEOU
             connection.execute(text("SELECT 1"))
     except SQLAlchemyError as e:
         reason = _reason(getattr(e, "orig", None) or e)
-        raise UserError(f"{what} {shown!r}: cannot connect ({reason})") from None
+        fix = (
+            "name a SQLite database file this user can read and write"
+            if backend == "sqlite"
+            else "start the database, or fix the URL's host, port, user, password or database name"
+        )
+        raise UserError(f"{what} {shown!r}: cannot connect ({reason}): {fix}") from None
     finally:
         engine.dispose()
 

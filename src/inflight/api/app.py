@@ -2,6 +2,8 @@
 
 Wires the pieces, nothing more: routes (routes_*.py) validate and write futures; the worker (worker.py) owns
 the ServiceCompute and runs them; the database (db.py) and checkpoint store hold what survives a restart.
+Operations: `/metrics` (metrics.py), one log line per request (access_log.py), and a shutdown that drains
+the futures in flight within a grace period and fails the rest (shutdown.py).
 
     SDK ──HTTP──▶ routes ──▶ futures table ◀── EngineWorker ──▶ ServiceCompute (LoRA adapters on base models)
                     ▲             │                  │
@@ -10,9 +12,11 @@ the ServiceCompute and runs them; the database (db.py) and checkpoint store hold
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -27,17 +31,21 @@ from inflight.api import (
     routes_archives,
     routes_checkpoints,
     routes_futures,
+    routes_metrics,
     routes_sampling,
     routes_session,
     routes_training,
 )
+from inflight.api.access_log import REQUEST_LOGGER, AccessLogMiddleware
 from inflight.api.archives import ArchiveLinkError, ArchiveSigner
 from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_api_keys, is_loopback
 from inflight.api.checkpoints import CheckpointExpiredError, CheckpointNotFoundError, CheckpointStore
 from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
 from inflight.api.jobs import BaseModelLimits
+from inflight.api.metrics import ServiceMetrics
 from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, ServiceConfig, ServiceState
+from inflight.api.shutdown import GracefulServer, RefuseNewWorkMiddleware, ServiceShutdown
 from inflight.api.worker import EngineWorker, WorkerConfig
 from inflight.errors import UserError
 from inflight.preflight import bind_port, check_database, check_model_dir, ensure_dir, serve_on
@@ -50,6 +58,7 @@ if TYPE_CHECKING:
     from inflight.api.sampler import Sampler
 
 log = logging.getLogger(__name__)
+_CONNECTIONS_CLOSE_S = 10  # uvicorn's wait for open connections once the drain is over
 
 # The user errors that are not a plain 400; every other UserError is.
 _STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int], ...] = (
@@ -63,28 +72,44 @@ def create_app(
     config: ServiceConfig, *, compute: ServiceCompute | None = None, worker_config: WorkerConfig | None = None
 ) -> FastAPI:
     """The app; its lifespan opens the database, loads the base models (unless `compute` is given) and runs
-    the worker thread until shutdown."""
+    the worker thread until shutdown, which drains the futures in flight (`app.state.shutdown`)."""
+    metrics = ServiceMetrics()
+    shutdown = ServiceShutdown(config.shutdown_grace_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state, worker, sampler = _start(config, compute, worker_config)
+        state, worker, sampler = _start(config, compute, worker_config, metrics)
+        shutdown.attach(state.store, stop_worker=worker.request_stop, on_failed=state.board.notify)
+        metrics.attach(
+            state.db,
+            base_models=list(state.base_models),
+            worker_counts=worker.stats,
+            draining=lambda: shutdown.draining,
+        )
         app.state.service = state
         try:
             yield
         finally:
+            # Under `inflight serve` a signal has drained already (GracefulServer); this returns at once then.
+            await asyncio.to_thread(shutdown.drain, "the app's lifespan ended")
             worker.stop()
             sampler.stop()  # after the worker: nothing submits any more
             state.db.close()
 
     app = FastAPI(title="inflight: Tinker-compatible service", lifespan=lifespan)
+    app.state.shutdown = shutdown
+    app.state.metrics = metrics
     routers = (routes_session, routes_training, routes_sampling, routes_futures, routes_checkpoints)
-    for module in (*routers, routes_archives):
+    for module in (*routers, routes_archives, routes_metrics):
         app.include_router(module.router)
-    # The middleware added last runs first: refuse an unauthenticated request before reading its body.
+    # The middleware added last runs first: log every request, then refuse an unauthenticated one before
+    # anything else, then new work while shutting down, and only then read the body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(RefuseNewWorkMiddleware, shutdown=shutdown)
     app.add_middleware(
         ApiKeyMiddleware, api_keys=config.api_keys, signed_prefix=routes_archives.ARCHIVES_PREFIX
     )
+    app.add_middleware(AccessLogMiddleware, metrics=metrics)
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(UserError, _user_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -92,7 +117,10 @@ def create_app(
 
 
 def _start(
-    config: ServiceConfig, compute: ServiceCompute | None, worker_config: WorkerConfig | None
+    config: ServiceConfig,
+    compute: ServiceCompute | None,
+    worker_config: WorkerConfig | None,
+    metrics: ServiceMetrics,
 ) -> tuple[ServiceState, EngineWorker, Sampler]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     if compute is None:
@@ -117,6 +145,7 @@ def _start(
         limits={name: info.limits for name, info in base_models.items()},
         on_finished=board.notify,
         config=worker_config,
+        metrics=metrics,
     )
     state = ServiceState(
         config=config,
@@ -171,11 +200,14 @@ def serve(
     state_dir: str,
     dtype: DtypeName = "auto",
     device: str = "auto",
+    shutdown_grace_s: float = 20.0,
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
     Everything a user gave is checked before the base models load (state dir, database, model directories,
     port), and the models load before uvicorn starts, so each mistake is one line and exit code 2.
+    SIGTERM/SIGINT drain the futures in flight for up to `shutdown_grace_s` (shutdown.py); each request is
+    one JSON line on stdout (access_log.py), in place of uvicorn's access log.
     """
     api_keys = check_api_keys(api_keys)  # a blank key would read as none and open every route
     if not api_keys and not is_loopback(host):
@@ -190,6 +222,7 @@ def serve(
         api_keys=api_keys,
         dtype=dtype,
         device=device,
+        shutdown_grace_s=shutdown_grace_s,
     )
     from inflight.models.device import resolve_device
 
@@ -200,7 +233,31 @@ def serve(
         check_model_dir(path)
     with contextlib.closing(bind_port(host, port)) as sock:
         app = create_app(config, compute=load_compute(config))
-        serve_on(sock, app, host, port, log_level="info")
+        _log_requests_to_stdout()
+        serve_on(
+            sock,
+            app,
+            host,
+            port,
+            make_server=lambda uvicorn_config: GracefulServer(uvicorn_config, app.state.shutdown),
+            log_level="info",
+            access_log=False,
+            # After the drain every future is finished, so the long-polls still open answer at once.
+            timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
+        )
+
+
+def _log_requests_to_stdout() -> None:
+    """The request log's lines, as they are, on stdout (where uvicorn's access log went), unless the
+    embedding program routed the logger already."""
+    logger = logging.getLogger(REQUEST_LOGGER)
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # one copy, whatever the root logger does
 
 
 def load_compute(config: ServiceConfig) -> ServiceCompute:

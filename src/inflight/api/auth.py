@@ -17,6 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inflight.errors import UserError
 
 OPEN_PATHS = frozenset({"/api/v1/healthz"})  # load balancers probe without a key
+# Where the key may also come as `Authorization: Bearer KEY`, the header Prometheus' scrape config sends.
+BEARER_PATHS = frozenset({"/metrics"})
 
 
 def is_loopback(host: str) -> bool:
@@ -50,7 +52,8 @@ class ApiKeyMiddleware:
     configured every route is open (a loopback-only server; `serve` refuses a public bind then).
 
     Paths under `signed_prefix` (checkpoint archive downloads, which the SDK fetches without the key)
-    pass to their route, which answers 403 unless the link's own signature verifies."""
+    pass to their route, which answers 403 unless the link's own signature verifies. On `BEARER_PATHS` the
+    key may come as a bearer token instead."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str], signed_prefix: str | None = None) -> None:
         self.app = app
@@ -64,7 +67,11 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not self.api_keys or self._open(scope["path"]):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"x-api-key", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-api-key", b"")
+        if not given and scope["path"] in BEARER_PATHS:
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            given = token.strip() if scheme.lower() == b"bearer" else b""
         # Check every key (no early exit) so timing says nothing about which one nearly matched.
         matches = [hmac.compare_digest(given, key) for key in self.api_keys]
         if not any(matches):

@@ -7,13 +7,13 @@ recovery. Payloads are opaque bytes: what a request means is the routes' and the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal, cast, get_args
 
-from sqlalchemy import CursorResult, func, select, update
+from sqlalchemy import ColumnElement, CursorResult, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -232,16 +232,13 @@ class FutureStore:
         with self.db.read() as session:
             return session.scalar(select(func.max(FutureRow.seq_id)).where(FutureRow.model_id == model_id))
 
-    def unfinished_count(self, model_id: str) -> int:
+    def unfinished_count(self, model_id: str | None = None) -> int:
+        """Pending and running futures of one model, or of every model when `model_id` is None."""
+        conditions: list[ColumnElement[bool]] = [FutureRow.status.in_(("pending", "running"))]
+        if model_id is not None:
+            conditions.append(FutureRow.model_id == model_id)
         with self.db.read() as session:
-            return (
-                session.scalar(
-                    select(func.count()).where(
-                        FutureRow.model_id == model_id, FutureRow.status.in_(("pending", "running"))
-                    )
-                )
-                or 0
-            )
+            return session.scalar(select(func.count()).where(*conditions)) or 0
 
     def fail_stalled(self, older_than: datetime) -> list[Future]:
         """Fail pending ordered futures, submitted before `older_than`, that wait on a seq_id which never
@@ -283,6 +280,19 @@ class FutureStore:
         server per database: a second live server's running futures would be failed too.
         """
         return self._fail_where(RESTART_ERROR, "server", FutureRow.status == "running")
+
+    def fail_unfinished(self, error_for: Callable[[FutureStatus, RequestType], str]) -> list[Future]:
+        """Fail every pending and running future (category server) with `error_for(status, type)`: at
+        shutdown, after the grace period. Like `recover`, it assumes one server per database."""
+        with self.db.write() as session:  # one transaction: nothing moves from pending to running between
+            query = select(FutureRow).where(FutureRow.status.in_(("pending", "running")))
+            rows = session.scalars(query.order_by(FutureRow.request_id).with_for_update()).all()
+            now = utcnow()
+            for row in rows:
+                error = error_for(cast(FutureStatus, row.status), RequestType(row.request_type))
+                _check_error(error, "server")
+                row.status, row.error, row.error_category, row.finished_at = "failed", error, "server", now
+            return [_to_future(row) for row in rows]
 
     def fail_orphaned(self, held: Collection[str], error: str) -> list[Future]:
         """Fail running futures that no work holds any more (category server), all but `held`.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from inflight.api.access_log import annotate_future
 from inflight.api.futures import Future, RequestType
 from inflight.api.service import ServiceState
 from inflight.errors import UserError
@@ -31,9 +32,11 @@ def submit(
         except UserError as err:
             error = str(err)
     if error is not None:
-        return state.store.reject(model_id, seq_id, request_type, payload, error)
-    future = state.store.submit(model_id, seq_id, request_type, payload)
-    state.wake()
+        future = state.store.reject(model_id, seq_id, request_type, payload, error)
+    else:
+        future = state.store.submit(model_id, seq_id, request_type, payload)
+        state.wake()
+    annotate_future(future)
     return future
 
 

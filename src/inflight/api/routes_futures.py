@@ -15,6 +15,7 @@ from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
+from inflight.api.access_log import annotate, annotate_future
 from inflight.api.futures import Future, RequestType
 from inflight.api.proto import PROTO_CONTENT_TYPE
 from inflight.api.schemas import (
@@ -34,12 +35,14 @@ RECHECK_S = 1.0
 
 @router.post("/retrieve_future")
 async def retrieve_future(body: FutureRetrieveRequest, state: StateDep) -> Response:
+    annotate(request_id=body.request_id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.config.long_poll_hold_s
     with state.board.watch(body.request_id) as finished:
         while True:
             finished.clear()  # before the read: a finish after it sets the event again
             future = await run_in_threadpool(state.store.get, body.request_id)
+            annotate_future(future)
             if future.finished:
                 return _answer(future)
             remaining = deadline - loop.time()
@@ -54,7 +57,9 @@ def cancel_future(body: CancelFutureRequest, state: StateDep) -> dict[str, str]:
     """Cancel a pending or running sample: 404 unknown id, 400 finished or not a sample, idempotent.
 
     The database first (the cancel is then final: a result arriving later is dropped), then the engine."""
+    annotate(request_id=body.request_id)
     future = state.store.cancel(body.request_id)
+    annotate_future(future)
     state.cancel_sample(future.request_id)
     state.board.notify(future.request_id)  # long-polls answer the cancellation at once
     return {"request_id": future.request_id, "status": "cancelled"}

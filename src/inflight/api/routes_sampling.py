@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
+from inflight.api.access_log import annotate
 from inflight.api.db import SamplingSessionRow
 from inflight.api.futures import RequestType
 from inflight.api.ids import new_sampling_session_id, parse_checkpoint_path
@@ -32,6 +33,7 @@ router = APIRouter(prefix="/api/v1")
 def create_sampling_session(
     body: CreateSamplingSessionRequest, state: StateDep
 ) -> CreateSamplingSessionResponse:
+    annotate(session_id=body.session_id)
     state.session(body.session_id)
     model_path: str | None = None
     if body.model_path is not None:
@@ -66,6 +68,7 @@ def create_sampling_session(
             f"sampling_session_seq_id {body.sampling_session_seq_id} of session {body.session_id!r} already "
             "names other weights; a new sampling client needs the next sampling_session_seq_id"
         )
+    annotate(sampling_session_id=sampling_session_id)
     return CreateSamplingSessionResponse(sampling_session_id=sampling_session_id)
 
 
@@ -86,6 +89,7 @@ def asample(body: SampleRequest, state: StateDep) -> UntypedAPIFuture:
             "asample needs sampling_session_id and seq_id (create a sampling client first); sampling by "
             "base_model/model_path alone is the pre-0.18 protocol and is not served"
         )
+    annotate(sampling_session_id=body.sampling_session_id)
     row = _sampling_session(state, body.sampling_session_id)
     limits = state.base_model(row.base_model).limits
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from inflight.api.access_log import annotate
 from inflight.api.db import SessionRow, utcnow
 from inflight.api.ids import check_session_id, new_session_id
 from inflight.api.schemas import (
@@ -72,11 +73,13 @@ def create_session(body: CreateSessionRequest, state: StateDep) -> CreateSession
                 sdk_version=body.sdk_version,
             )
         )
+    annotate(session_id=session_id)
     return CreateSessionResponse(session_id=session_id)
 
 
 @router.post("/session_heartbeat")
 def session_heartbeat(body: SessionHeartbeatRequest, state: StateDep) -> SessionHeartbeatResponse:
+    annotate(session_id=body.session_id)
     state.session(body.session_id)
     with state.db.write() as session:
         row = session.get(SessionRow, body.session_id)

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
+from inflight.api.access_log import annotate_future
 from inflight.api.db import ModelRow
 from inflight.api.futures import FIRST_SEQ_ID, RequestType
 from inflight.api.ids import checkpoint_path, model_id
@@ -55,6 +56,7 @@ def create_model(body: CreateModelRequest, state: StateDep) -> UntypedAPIFuture:
         new_id, FIRST_SEQ_ID, RequestType.CREATE_MODEL, body.model_dump_json().encode()
     )
     state.wake()
+    annotate_future(future)
     return future_response(future)
 
 
@@ -203,6 +205,7 @@ def load_weights(body: LoadWeightsRequest, state: StateDep) -> UntypedAPIFuture:
         _ensure_model_row(state, new_id, body.session_id, body.model_seq_id, source.base_model, lora)
         future = state.store.submit(new_id, FIRST_SEQ_ID, RequestType.LOAD_WEIGHTS, payload)
         state.wake()
+        annotate_future(future)
         return future_response(future)
     if body.model_id is None or body.seq_id is None:
         raise UserError("load_weights needs either session_id + model_seq_id, or model_id + seq_id")

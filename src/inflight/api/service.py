@@ -49,6 +49,9 @@ class ServiceConfig(BaseModel):
     max_topk_logprobs: int = Field(default=64, ge=1)
     # How far past the model's highest seq_id a request may land (a bigger jump is surely a client bug).
     max_seq_id_ahead: int = Field(default=64, ge=1)
+    # On SIGTERM/SIGINT or the lifespan's end: how long the futures in flight may take to finish before
+    # they are failed (shutdown.py). Orchestrators should allow ~10 s more before they kill the process.
+    shutdown_grace_s: float = Field(default=20.0, ge=0, allow_inf_nan=False)
 
     @field_validator("api_keys")
     @classmethod

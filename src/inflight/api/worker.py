@@ -38,6 +38,7 @@ from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SamplingSessionRow, SessionRow, utcnow
 from inflight.api.futures import Future, FutureStateError, FutureStore, RequestType
 from inflight.api.ids import CheckpointKind, checkpoint_path, new_sampling_session_id, parse_model_id
+from inflight.api.metrics import ServiceMetrics
 from inflight.api.proto import (
     encode_forward_backward_output,
     encode_sample_output,
@@ -79,7 +80,8 @@ class WorkerConfig(BaseModel):
     max_sample_futures_in_flight: int = Field(default=64, ge=1)
     housekeeping_interval_s: float = Field(default=5.0, gt=0)
     seq_gap_timeout_s: float = Field(default=300.0, gt=0)
-    stop_timeout_s: float = Field(default=60.0, gt=0)
+    # How long `stop` waits for the round in progress (a shutdown has failed its futures by then).
+    stop_timeout_s: float = Field(default=10.0, gt=0)
     default_max_tokens: int = Field(default=256, ge=1)
     max_num_samples: int = Field(default=256, ge=1)
     max_topk_logprobs: int = Field(default=64, ge=1)
@@ -108,6 +110,7 @@ class EngineWorker:
         limits: dict[str, jobs.BaseModelLimits],
         on_finished: Callable[[str], None] = lambda request_id: None,
         config: WorkerConfig | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.compute = compute
         self.sampler = sampler
@@ -117,6 +120,7 @@ class EngineWorker:
         self.limits = limits
         self.on_finished = on_finished
         self.config = config or WorkerConfig()
+        self.metrics = metrics or ServiceMetrics()  # future latencies and tokens; counts stay in counters
         self.counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()  # routes read the counters from other threads
         # Sampler keys registered in this process's engine; snapshots die with the process.
@@ -162,9 +166,13 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name="inflight-engine-worker", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Claim nothing more (any thread, returns at once); the round in progress still settles."""
         self._stop.set()
         self._wake.set()
+
+    def stop(self) -> None:
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(self.config.stop_timeout_s)
             if self._thread.is_alive():
@@ -299,6 +307,10 @@ class EngineWorker:
                 log.error("request %s (%s) failed", future.request_id, future.request_type, exc_info=outcome)
             self.store.fail(future.request_id, message, "server")
             self._count("failed_server")
+        seconds = (utcnow() - future.created_at).total_seconds()
+        self.metrics.observe_future(
+            future.request_type, "done" if isinstance(outcome, bytes) else "failed", seconds
+        )
 
     # -- requests that change a model or write files, one at a time -------------------------------------
 
@@ -458,7 +470,9 @@ class EngineWorker:
             return
         self._count("fwdbwd_batches")
         self._count("fwdbwd_jobs", len(batch))
-        for (future, _), result in zip(batch, results, strict=True):
+        for (future, job), result in zip(batch, results, strict=True):
+            if job.backward and not isinstance(result, BaseException):
+                self.metrics.add_tokens("trained", sum(len(datum.input_tokens) for datum in job.data))
             self._settle(
                 future,
                 result if isinstance(result, BaseException) else encode_forward_backward_output(result),
@@ -515,6 +529,7 @@ class EngineWorker:
                 self._settle(future, error)
             else:
                 output = done.result()
+                self.metrics.add_tokens("sampled", sum(len(sequence.tokens) for sequence in output.sequences))
 
                 def encode(_: Future, output: SampleOutput = output, req: SampleRequest = request) -> bytes:
                     return encode_sample_output(
