@@ -29,7 +29,6 @@ def preset() -> RunConfig:
             # one evaluation to the next at a constant lr (docs/benchmarks.md).
             lr_schedule="linear",
             lr_final_frac=0.1,
-            micro_batch_size=32,
             # Seeds collapsed to always-stand without the entropy bonus and KL floor (see tiny_model_loss).
             loss=tiny_model_loss(entropy_coef=0.3),
         ),

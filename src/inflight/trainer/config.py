@@ -82,8 +82,11 @@ class TrainerConfig(BaseModel):
     # A micro-batch (one forward/backward; gradients accumulate across them) holds at most
     # micro_batch_size samples and, when set, micro_batch_tokens tokens (packed: the samples' tokens;
     # padded: rows x longest row; either way what bounds activation memory); a longer sample goes alone.
-    micro_batch_size: int = 32
-    micro_batch_tokens: int | None = None
+    # Defaults: one micro-batch for a few thousand tokens; fewer, larger operations were the faster step
+    # (`make run`'s batch, 5,718 tokens: 691 ms in one micro-batch, 820 ms in two, 914 ms in four of 32
+    # samples; `inflight bench train`, docs/benchmarks.md).
+    micro_batch_size: int = 256
+    micro_batch_tokens: int | None = 16384
     # Sequence packing: a micro-batch's samples laid end to end in rows as long as its longest sample, each
     # attending only to itself (positions restart), so no compute goes to padding. Checked once against a
     # padded forward of the model (falls back to padding, with a warning, where a model does not honour
