@@ -18,10 +18,10 @@ item 3: a fair share of 2 cores beside one such process is a slowdown of about 2
 
 Keys: `train_tokens_per_s` (every token of the batch, prompt and environment tokens included, over the
 step time; the trainer's own `train_tokens_per_s` counts the same), `hf_tokens_per_s`, `ratio_vs_hf`
-(goal >= 3, issue 16) and `mfu`: model FLOPs per step (6 x parameters x tokens for the policy, 2 x ... for
-the reference's forward, attention ignored) over the CPU's peak (`--peak-gflops`, by default from lscpu's
-flags: 2 FMA units of the widest vector per core per cycle at the nominal clock, bf16 on AMX counted at
-fp32's peak since the model runs fp32 weights).
+(goal >= 3, issue 16) and `mfu`: model FLOPs per step (6 x matmul parameters x tokens for the policy,
+2 x ... for the reference's forward; the embedding and attention left out) over the CPU's peak
+(`--peak-gflops`, by default from /proc/cpuinfo: two FMA units of the widest vector per core and cycle at
+the nominal clock, in float32, the precision the model trains in).
 """
 
 from __future__ import annotations
@@ -186,7 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
             "slowdown_beside_busy": round(beside / ours_s, 2),
         }
     params = sum(p.numel() for p in model.parameters())
-    flops = 6 * params * tokens + (2 * params * tokens if cfg.trainer.loss.kl_coef > 0 else 0)
+    # Model FLOPs the usual way: 6 per parameter and token for the policy's forward and backward, 2 for the
+    # reference's forward, over every matmul parameter (the embedding is a lookup; the LM head counts in
+    # full, although the trainer runs it only at trained positions), attention's own FLOPs left out.
+    matmul_params = params - model.get_input_embeddings().weight.numel()
+    flops = (6 + (2 if cfg.trainer.loss.kl_coef > 0 else 0)) * matmul_params * tokens
     peak = args.peak_gflops or peak_gflops()
     result = {
         "benchmark": "train",
