@@ -1,0 +1,67 @@
+"""Evaluation's greedy deduplication: one generation per distinct greedy request, shared by every caller.
+
+Reference: a counting fake `generate` (pure logic: which requests reach the engine, what each caller gets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from inflight.orchestrator.evaluate import greedy_once
+from inflight.types import Completion, SampleRequest, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def counting_generate(delay_s: float = 0.01) -> tuple[list[SampleRequest], object]:
+    calls: list[SampleRequest] = []
+
+    async def generate(request: SampleRequest) -> Completion:
+        calls.append(request)
+        await asyncio.sleep(delay_s)
+        tokens = [sum(request.prompt_token_ids) % 7, 1]
+        return Completion(
+            request.request_id, list(request.prompt_token_ids), tokens, [-0.1, -0.2], [3, 3], "stop"
+        )
+
+    return calls, generate
+
+
+def test_identical_greedy_requests_are_generated_once_and_each_caller_gets_its_own_copy() -> None:
+    calls, generate = counting_generate()
+    once = greedy_once(generate)  # type: ignore[arg-type]
+
+    async def main() -> list[Completion]:
+        requests = [SampleRequest([1, 2, 3], GREEDY, request_id=f"r{i}") for i in range(5)]
+        requests += [SampleRequest([1, 2, 4], GREEDY, request_id="other")]
+        requests += [
+            SampleRequest([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0), request_id="short")
+        ]
+        return await asyncio.gather(*(once(r) for r in requests))
+
+    out = asyncio.run(main())
+    assert [c.request_id for c in out] == ["r0", "r1", "r2", "r3", "r4", "other", "short"]
+    assert len(calls) == 3  # [1,2,3] once, [1,2,4] once, and [1,2,3] with other parameters once
+    assert all(c.token_ids == out[0].token_ids for c in out[:5]) and out[5].token_ids != out[0].token_ids
+    out[0].token_ids.append(99)  # a caller that mutates its completion leaves the others theirs
+    assert out[1].token_ids == [6, 1]
+
+
+def test_sampled_requests_pass_through_and_a_cancelled_caller_leaves_the_others_their_result() -> None:
+    calls, generate = counting_generate(delay_s=0.05)
+    once = greedy_once(generate)  # type: ignore[arg-type]
+
+    async def main() -> tuple[list[Completion], bool]:
+        sampled = [
+            SampleRequest([5, 5], SamplingParams(max_tokens=4, temperature=1.0, seed=i)) for i in range(3)
+        ]
+        first = asyncio.ensure_future(once(SampleRequest([9], GREEDY, request_id="a")))
+        second = asyncio.ensure_future(once(SampleRequest([9], GREEDY, request_id="b")))
+        await asyncio.sleep(0.01)
+        first.cancel()  # e.g. its rollout timed out
+        done = await asyncio.gather(second, *(once(r) for r in sampled))
+        return list(done), first.cancelled()
+
+    out, cancelled = asyncio.run(main())
+    assert cancelled and out[0].request_id == "b" and out[0].token_ids == [2, 1]
+    assert len(calls) == 1 + 3  # the shared greedy generation, and every sampled request
