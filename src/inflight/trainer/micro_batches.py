@@ -1,4 +1,5 @@
-"""Cutting a step's rows into micro-batches by a budget of padded tokens: one rule for every trainer path.
+"""Cutting a step's rows into micro-batches by a budget of padded tokens, and into data-parallel ranks'
+shares by tokens: one rule for every trainer path.
 
 A micro-batch's cost (activations, compute) grows with rows x longest row, padding included, so that is
 what the budget bounds. Knows nothing of models or losses: it sees lengths and returns row indices.
@@ -82,3 +83,22 @@ def group_by_total_tokens(
         groups.append([i])
         total = lengths[i]
     return groups
+
+
+def shard_by_tokens(lengths: Sequence[int], num_shards: int) -> list[list[int]]:
+    """Indices split into `num_shards` shards of nearly equal total length: the data-parallel ranks' shares
+    of a step. Longest first, each onto the shard with the fewest tokens so far (the lowest shard on a
+    tie); each shard's indices in ascending order. Deterministic, so every rank computes the same split
+    from the same lengths; every index lands in exactly one shard (a shard may be empty when there are
+    fewer samples than shards). Greedy bound: the fullest shard exceeds the emptiest by at most the
+    longest length.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    tokens = [0] * num_shards
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(num_shards), key=lambda r: (tokens[r], r))
+        shards[target].append(i)
+        tokens[target] += lengths[i]
+    return [sorted(shard) for shard in shards]

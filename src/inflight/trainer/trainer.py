@@ -11,7 +11,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -138,6 +138,47 @@ class MicroBatch:
             ),
             **packed,
         )
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """A step's size and loss denominators over the WHOLE step: every micro-batch and, data-parallel, every
+    rank. The reductions divide by them, so how a step is split changes only rounding."""
+
+    num_tokens: float  # the trained tokens' loss weights, summed (sum of loss_mask[1:])
+    num_sequences: float  # samples with at least one trained token
+    num_samples: float
+
+    @classmethod
+    def of(cls, samples: Sequence[TrainSample]) -> StepCounts:
+        return cls(
+            num_tokens=float(sum(sum(s.loss_mask[1:]) for s in samples)),
+            num_sequences=float(sum(1 for s in samples if any(s.loss_mask[1:]))),
+            num_samples=float(len(samples)),
+        )
+
+
+@dataclass
+class PartialMetrics:
+    """What the micro-batches of (part of) a step accumulate before its metrics are formed: token-weighted
+    sums (divided by the step's num_tokens at the end; "loss" is already normalised), extrema, and the
+    trained tokens' log ratios (the step's quantiles and ESS need them all). Data-parallel ranks merge
+    theirs in rank order."""
+
+    sums: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    extrema: dict[str, float] = field(default_factory=dict)  # *_min keys keep the least, others the most
+    log_ratios: list[torch.Tensor] = field(default_factory=list)  # [N] lp - q of each micro-batch
+
+    def add_extremum(self, key: str, value: float) -> None:
+        old = self.extrema.get(key, value)
+        self.extrema[key] = min(old, value) if key.endswith("_min") else max(old, value)
+
+    def merge(self, other: PartialMetrics) -> None:
+        for key, value in other.sums.items():
+            self.sums[key] += value
+        for key, value in other.extrema.items():
+            self.add_extremum(key, value)
+        self.log_ratios.extend(other.log_ratios)
 
 
 def through_last_trained(sample: TrainSample) -> TrainSample:
@@ -313,10 +354,14 @@ class Trainer:
 
     def forward_backward(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Accumulate gradients of the loss over `samples`, in micro-batches. Returns step metrics."""
+        counts = StepCounts.of(samples)
+        return self._step_metrics(self._accumulate(samples, counts), counts)
+
+    def _accumulate(self, samples: Sequence[TrainSample], counts: StepCounts) -> PartialMetrics:
+        """Backward of the loss over `samples` in micro-batches, reduced with `counts`: the whole step's
+        denominators, which may cover more samples than these (other ranks'). Returns the metrics' sums."""
         cfg, lcfg = self.config, self.config.loss
         self.model.train()
-        num_tokens = float(sum(sum(s.loss_mask[1:]) for s in samples))
-        num_seqs = float(sum(1 for s in samples if any(s.loss_mask[1:])))
         loss_fn = LOSSES[lcfg.name]
         params = LossParams(
             clip_low_threshold=lcfg.clip_low_threshold,
@@ -325,9 +370,8 @@ class Trainer:
             offpolicy_ratio_low=lcfg.offpolicy.ratio_low,
             offpolicy_ratio_high=lcfg.offpolicy.ratio_high,
         )
-        sums: dict[str, float] = defaultdict(float)  # token-weighted sums of per-micro-batch metrics
-        maxima: dict[str, float] = {}
-        log_ratios: list[torch.Tensor] = []  # [N] lp - q of each micro-batch's trained tokens
+        partial = PartialMetrics()
+        sums = partial.sums
 
         def reduce(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return reduce_loss(
@@ -335,8 +379,8 @@ class Trainer:
                 mask,
                 lcfg.reduction,
                 constant_normalizer=lcfg.constant_normalizer,
-                num_tokens=num_tokens,
-                num_sequences=num_seqs,
+                num_tokens=counts.num_tokens,
+                num_sequences=counts.num_sequences,
             )
 
         # The sums use the step's global denominators, so the grouping does not change the result.
@@ -397,33 +441,36 @@ class Trainer:
             current = mb.current & (mb.mask > 0)
             if cpu_mb.current.any():
                 gap = float((lp.detach() - mb.behaviour_logprobs)[current].abs().max())
-                maxima["logprob_parity_max_abs"] = max(maxima.get("logprob_parity_max_abs", gap), gap)
+                partial.add_extremum("logprob_parity_max_abs", gap)
             sums["logprob_parity_token_frac"] += float((cpu_mb.current & (cpu_mb.mask > 0)).sum())
-            log_ratios.append((lp.detach() - mb.behaviour_logprobs)[where])
+            partial.log_ratios.append((lp.detach() - mb.behaviour_logprobs)[where])
 
             sums["loss"] += float(loss.detach())  # reductions already use the step's global denominators
             sums["entropy"] += float((entropy.detach() * mb.mask).sum())
             for key, value in out.metrics.items():
                 if key == "num_tokens":
                     continue
-                if key.endswith(("_max", "_max_abs")):
-                    maxima[key] = max(maxima.get(key, value), value)
-                elif key.endswith("_min"):
-                    maxima[key] = min(maxima.get(key, value), value)
+                if key.endswith(("_max", "_max_abs", "_min")):
+                    partial.add_extremum(key, value)
                 else:
                     sums[key] += value * mb_tokens
+        return partial
+
+    def _step_metrics(self, partial: PartialMetrics, counts: StepCounts) -> dict[str, float]:
+        """The step's metrics from the sums of all its micro-batches (data-parallel: of every rank)."""
+        sums = dict(partial.sums)
         metrics = {
             "loss": sums.pop("loss", 0.0),
-            "num_tokens": num_tokens,
-            "num_samples": float(len(samples)),
+            "num_tokens": counts.num_tokens,
+            "num_samples": counts.num_samples,
         }
         for key, value in sums.items():
-            metrics[key] = value / max(num_tokens, 1.0)
-        metrics.update(maxima)
+            metrics[key] = value / max(counts.num_tokens, 1.0)
+        metrics.update(partial.extrema)
         # ESS and the gap's quantiles over the whole step (neither averages over micro-batches); only
         # the RL losses read behaviour log-probs.
-        if log_ratios and lcfg.name != "cross_entropy":
-            metrics.update(to_floats(step_gap_stats(torch.cat(log_ratios))))
+        if partial.log_ratios and self.config.loss.name != "cross_entropy":
+            metrics.update(to_floats(step_gap_stats(torch.cat(partial.log_ratios))))
         return metrics
 
     def _reference_logits(self, mb: MicroBatch, where: tuple) -> torch.Tensor:
