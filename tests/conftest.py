@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,3 +41,24 @@ def sdk_server(config: ServiceConfig, **app_options: Any) -> Iterator[Background
         mp.setenv("TINKER_TELEMETRY", "0")
         with BackgroundServer(create_app(config, **app_options)) as running:
             yield running
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port something already listens on (for the port-in-use errors)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def sample_body(sampling_session: str, seq_id: int, max_tokens: int, num_samples: int = 1) -> dict[str, Any]:
+    """A raw /asample body that runs to `max_tokens` (stop=[]: not even EOS stops it). Import it from a test
+    module: `from conftest import sample_body`."""
+    return {
+        "sampling_session_id": sampling_session,
+        "seq_id": seq_id,
+        "num_samples": num_samples,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]},
+        "sampling_params": {"max_tokens": max_tokens, "seed": 1, "stop": []},
+    }

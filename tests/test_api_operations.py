@@ -27,7 +27,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import sdk_server
+from conftest import sample_body, sdk_server
 from inflight.api.access_log import REQUEST_LOGGER
 from inflight.api.app import BackgroundServer, create_app
 from inflight.api.db import Database, sqlite_url
@@ -82,17 +82,6 @@ class Api:
         assert response.status_code == 200, response.text
         assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
         return parse_metrics(response.text)
-
-
-def sample_body(sampling_session: str, seq_id: int, max_tokens: int, num_samples: int = 1) -> dict[str, Any]:
-    # stop=[]: never stop, not even at EOS, so the sample runs to max_tokens.
-    return {
-        "sampling_session_id": sampling_session,
-        "seq_id": seq_id,
-        "num_samples": num_samples,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]},
-        "sampling_params": {"max_tokens": max_tokens, "seed": 1, "stop": []},
-    }
 
 
 def forward_backward_body(model_id: str, seq_id: int, tokens: list[int]) -> dict[str, Any]:

@@ -16,13 +16,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
+from conftest import sample_body
 from inflight.api.db import Database, sqlite_url
 from inflight.api.futures import FutureStore
 
@@ -46,14 +45,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
@@ -124,16 +115,6 @@ def test_help_names_the_operations() -> None:
 
 
 # -- SIGTERM during an in-flight future --------------------------------------------------------------------
-
-
-def sample_body(sampling_session: str, seq_id: int, max_tokens: int, num_samples: int = 1) -> dict[str, Any]:
-    return {
-        "sampling_session_id": sampling_session,
-        "seq_id": seq_id,
-        "num_samples": num_samples,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]},
-        "sampling_params": {"max_tokens": max_tokens, "seed": 1, "stop": []},  # stop=[]: to max_tokens
-    }
 
 
 def result(http: httpx.Client, request_id: str) -> httpx.Response:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +39,6 @@ def a_file(tmp_path: Path) -> Path:
     path = tmp_path / "a-file"
     path.write_text("not a directory")
     return path
-
-
-@pytest.fixture
-def busy_port() -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
