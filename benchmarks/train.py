@@ -115,7 +115,7 @@ BUSY_NEIGHBOUR = "import torch\na = torch.randn(384, 384)\nwhile True:\n    a @ 
 
 @contextlib.contextmanager
 def busy_neighbour() -> Iterator[None]:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     process = subprocess.Popen([sys.executable, "-c", BUSY_NEIGHBOUR], env=env)
     try:
         yield
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
         "autocast_bf16": trainer._bf16,
         "packing": trainer.packing,
         "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(libgomp default: spin)"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "(unset)",
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT") or "(libgomp default)",
         **busy,
     }
     print(json.dumps(result))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-import inflight  # noqa: F401  (sets OpenMP's wait policy before any test module loads torch)
+import inflight  # noqa: F401  (sets OpenMP's spin count before any test module loads torch)
 
 if TYPE_CHECKING:
     from inflight.api.app import BackgroundServer
