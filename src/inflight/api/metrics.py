@@ -178,14 +178,12 @@ def _queue_depth(sources: _Sources) -> Iterator[Metric]:
     with sources.db.read() as session:
         for base_model, state, count in session.execute(query):
             depth[(base_model or "unknown", state)] = count
-    family = GaugeMetricFamily(
+    yield _labelled_gauge(
         "inflight_queue_depth",
         "Unfinished futures per base model: pending (queued) and running (being computed)",
-        labels=["base_model", "state"],
+        ["base_model", "state"],
+        depth,
     )
-    for (base_model, state), count in sorted(depth.items()):
-        family.add_metric([base_model, state], count)
-    yield family
 
 
 def _futures_by_state(db: Database) -> Iterator[Metric]:
@@ -196,11 +194,19 @@ def _futures_by_state(db: Database) -> Iterator[Metric]:
     with db.read() as session:
         for request_type, state, count in session.execute(query):
             counts[(request_type, state)] = count
-    family = GaugeMetricFamily(
+    yield _labelled_gauge(
         "inflight_futures",
         "Futures in the database by request type and state",
-        labels=["request_type", "state"],
+        ["request_type", "state"],
+        counts,
     )
-    for (request_type, state), count in sorted(counts.items()):
-        family.add_metric([request_type, state], count)
-    yield family
+
+
+def _labelled_gauge(
+    name: str, documentation: str, labels: list[str], values: dict[tuple[str, str], int]
+) -> GaugeMetricFamily:
+    """One gauge with a sample per label tuple, sorted (zeros included: a series never vanishes)."""
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for label_values, value in sorted(values.items()):
+        family.add_metric(list(label_values), value)
+    return family
