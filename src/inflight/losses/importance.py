@@ -59,7 +59,7 @@ def _ratio_histogram(ratio: Tensor, active: Tensor) -> dict[str, Tensor]:
     names = [f"is_hist_lt_{edges[0]}"]
     names += [f"is_hist_{lo}_{hi}" for lo, hi in itertools.pairwise(edges)]
     names.append(f"is_hist_ge_{edges[-1]}")
-    bucket = torch.bucketize(ratio, torch.tensor(edges, dtype=ratio.dtype), right=True)
+    bucket = torch.bucketize(ratio, torch.tensor(edges, dtype=ratio.dtype, device=ratio.device), right=True)
     return {name: masked_mean(bucket == i, active) for i, name in enumerate(names)}
 
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What needs a CUDA device, in one pass that fits a short lease on a GPU machine; run from the repository
+# root: `bash scripts/gpu_check.sh` (what it verified last: docs/architecture.md, "Verified on a GPU").
+# Where inflight's dependencies are not installed (a machine with only torch, transformers, peft and pytest),
+# they are taken from wheels in .whl/, made beforehand on a machine with the same Python and network:
+#   python3.12 -m pip download -d .whl pydantic sqlalchemy fastapi uvicorn tinker==0.38.0 'psycopg[binary]' \
+#       redis websockets openenv-core==0.3.0 'math-verify[antlr4-13-2]'
+# (then remove the wheels of what that machine already has). Each step has its own time limit and its
+# log lands in $OUT.
+set -u
+OUT=${OUT:-/tmp/inflight-gpu-check}
+mkdir -p "$OUT"
+if ! python3 -c "import fastapi, tinker" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+step() {  # name, seconds, command...
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "=== $name"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
+}
+nvidia-smi -L
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+# 1. The gpu-marked tests: engine (fast and HF runners, sampled and raw logprobs, seeded rows) and trainer.
+step gpu_tests 150 python3 -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_engine_lora.py tests/test_trainer_lora.py
+# 2. The service on its default device (auto: CUDA here), driven by the tinker SDK.
+step service_sdk 170 python3 -m pytest -p no:cacheprovider -q -rfE -x tests/test_api_sdk.py tests/test_service_compute.py
+# 3. The pipeline: BlackJack with the engine and the trainer on the GPU, a few steps end to end.
+step blackjack 170 python3 -m inflight.cli run blackjack engine.device=cuda trainer.device=cuda \
+    grpo.steps=6 warmup.sft_steps=20 eval.num_episodes=400 eval.num_episodes_sampled=200 \
+    eval.every_steps=3 eval.num_episodes_during=200 run_dir="$OUT/blackjack-run" metrics.print_every_steps=1
