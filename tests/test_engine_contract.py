@@ -468,6 +468,94 @@ def test_prompt_logprobs_and_top_k_prompt_logprobs(make, adapters, references, a
     assert one.topk_prompt_logprobs == [[]]
 
 
+@pytest.mark.parametrize("kind", ["sampled", "raw"])
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3), (0.0, 0)])
+def test_top_k_logprobs_of_generated_tokens(make, adapters, references, kind, temperature, top_k) -> None:
+    """At every generated position, the k most likely tokens of the row's distribution in its kind (raw:
+    log_softmax of the reference logits; sampled: after temperature and top-k, where tokens cut away are
+    left out), beside a row asking fewer and a row asking none."""
+    engine = with_adapters(make(), adapters)
+
+    def params(k: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=5, temperature=temperature, top_k=top_k, seed=3, logprobs_kind=kind, topk_logprobs=k
+        )
+
+    asked = [
+        SampleRequest(p, params(4), adapter=n) for p, n in zip(prompts([6, 11]), [None, "b"], strict=True)
+    ]
+    fewer, plain = SampleRequest(prompts([8])[0], params(1)), SampleRequest(prompts([8])[0], params(0))
+    out = engine.generate([*asked, fewer, plain])
+    assert out[-1].topk_logprobs is None
+    for r, c in zip([*asked, fewer], out[:-1], strict=True):
+        k = r.params.topk_logprobs
+        logits = completion_logits(references[r.adapter], c)
+        if kind == "sampled" and temperature > 0:
+            logits = logits / temperature
+            if top_k:
+                logits = logits.masked_fill(logits < logits.topk(top_k, -1).values[:, -1:], float("-inf"))
+        expected = torch.log_softmax(logits, -1).topk(k, -1)
+        assert c.topk_logprobs is not None and len(c.topk_logprobs) == len(c.token_ids) == 5
+        for t, pairs in enumerate(c.topk_logprobs):
+            width = min(k, top_k) if kind == "sampled" and top_k and temperature > 0 else k
+            assert [i for i, _ in pairs] == expected.indices[t, :width].tolist(), (r.adapter, t)
+            assert max_diff([v for _, v in pairs], expected.values[t, :width]) < TOL
+            drawn = dict(pairs).get(c.token_ids[t])  # the token's own logprob, where it ranks in the top k
+            assert drawn is None or abs(drawn - c.logprobs[t]) < TOL
+
+
+@pytest.mark.parametrize("adapter", [None, "b"])
+def test_target_prompt_ids_and_alternative_draws(make, adapters, references, adapter) -> None:
+    """Tinker's target_prompt_logprobs and prompt_alt_tokens_k. Targets: the reference's log_softmax at
+    each named id, 0.0 where -1. Draws: each id's logprob is the reference's at temperature 1; at
+    temperature 0 every draw is the argmax; at temperature 0.7 the mean logprob of the draws is
+    E_q[log p] with q = softmax(logits / 0.7) (to 5 standard errors); a seed repeats them and leaves the
+    request's sampled tokens as they were without them."""
+    engine = with_adapters(make(), adapters)
+    prompt = prompts([9])[0]
+    raw = torch.log_softmax(ref_logits(references[adapter], prompt)[:-1], -1)  # [P-1, V]
+    targets = [[prompt[i + 1], -1, (7 * i) % VOCAB] if i % 3 else [-1, -1, 5] for i in range(len(prompt) - 1)]
+    k, temperature = 150, 0.7
+    params = SamplingParams(max_tokens=4, temperature=temperature, seed=11)
+    scored, drawn, again, without, greedy = engine.generate(
+        [
+            SampleRequest(prompt, SamplingParams(max_tokens=1), adapter=adapter, target_prompt_ids=targets),
+            SampleRequest(prompt, params, adapter=adapter, prompt_alt_tokens_k=k),
+            SampleRequest(prompt, params, adapter=adapter, prompt_alt_tokens_k=k),
+            SampleRequest(prompt, params, adapter=adapter),
+            SampleRequest(
+                prompt, SamplingParams(max_tokens=1, temperature=0.0), adapter=adapter, prompt_alt_tokens_k=3
+            ),
+        ]
+    )
+    ids = torch.tensor(targets)
+    expected = raw.gather(1, ids.clamp_min(0)).masked_fill(ids < 0, 0.0)
+    assert scored.target_prompt_logprobs is not None and scored.prompt_alt_tokens is None
+    assert max_diff(scored.target_prompt_logprobs, expected) < TOL
+    assert drawn.target_prompt_logprobs is None and drawn.prompt_alt_tokens is not None
+    assert drawn.prompt_alt_tokens == again.prompt_alt_tokens and drawn.token_ids == without.token_ids
+    draws = torch.tensor([[i for i, _ in row] for row in drawn.prompt_alt_tokens])  # [P-1, k]
+    assert draws.shape == (len(prompt) - 1, k)
+    assert max_diff([[v for _, v in row] for row in drawn.prompt_alt_tokens], raw.gather(1, draws)) < TOL
+    q = torch.softmax(ref_logits(references[adapter], prompt)[:-1] / temperature, -1)
+    mean = (q * raw).sum(-1)  # [P-1] E_q[log p]
+    var = (q * raw**2).sum(-1) - mean**2
+    observed = raw.gather(1, draws).mean(-1)
+    assert abs((observed - mean).sum().item()) < 5 * math.sqrt(var.sum().item() / k)
+    assert greedy.prompt_alt_tokens is not None
+    assert [[i for i, _ in row] for row in greedy.prompt_alt_tokens] == raw.argmax(-1)[:, None].expand(
+        -1, 3
+    ).tolist()
+
+
+def test_bad_prompt_targets_are_refused_clearly(make) -> None:
+    engine = make()
+    with pytest.raises(ValueError, match=r"target_prompt_ids has 2 rows; it needs len\(prompt\) - 1 = 3"):
+        engine.generate([SampleRequest([1, 2, 3, 4], target_prompt_ids=[[1], [2]])])
+    with pytest.raises(ValueError, match=f"target_prompt_ids holds {VOCAB}"):
+        engine.generate([SampleRequest([1, 2], target_prompt_ids=[[VOCAB]])])
+
+
 def test_seeds_give_the_same_tokens_alone_or_batched_with_other_adapters(make, adapters) -> None:
     prompt, *others = prompts([6, 3, 11, 8], seed=2)
     seeded = lambda seed: SampleRequest(prompt, SamplingParams(max_tokens=12, seed=seed), adapter="a")  # noqa: E731

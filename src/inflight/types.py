@@ -32,6 +32,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop when the decoded completion contains one of these
     stop_token_ids: tuple[int, ...] = ()  # stop after sampling one of these (kept in the output)
     logprobs_kind: LogprobKind = "sampled"  # which logprob Completion.logprobs holds
+    # > 0: Completion.topk_logprobs holds the k most likely (token id, logprob) at each generated position,
+    # in the same kind as Completion.logprobs
+    topk_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +45,10 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.topk_logprobs < 0:
+            raise ValueError(
+                f"SamplingParams.topk_logprobs must be >= 0 (0 = none), got {self.topk_logprobs}"
+            )
         # Accept lists from callers but store tuples so the params stay hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -66,6 +73,13 @@ class SampleRequest:
     # compute_logprobs: the log-prob of each prompt token, and the k most likely tokens at each position.
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0  # 0 = none
+    # [P-1][K] token ids to score, row i at prompt position i + 1 (the candidates for prompt[i + 1]); -1 asks
+    # nothing. Tinker's target_prompt_logprobs.
+    target_prompt_ids: list[list[int]] | None = None
+    # > 0: that many draws, with replacement, from softmax(logits / temperature) at each prompt position
+    # 1..P-1 (temperature 0: the argmax each time); a seeded request draws reproducibly, from a generator
+    # of its own, so its sampled tokens are the same with or without them. Tinker's prompt_alt_tokens_k.
+    prompt_alt_tokens_k: int = 0
 
 
 @dataclass
@@ -83,6 +97,15 @@ class Completion:
     prompt_logprobs: list[float] | None = None
     # [P] when asked: the k most likely (token id, logprob) at each position, most likely first; [0] is [].
     topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    # [T] when params.topk_logprobs > 0: up to k (token id, logprob) at each generated position, most likely
+    # first, in params.logprobs_kind's kind; tokens the distribution cannot draw (outside top-k/top-p) are
+    # left out, so a row may hold fewer than k.
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
+    # [P-1][K] when target_prompt_ids was given: log p(id | prompt_<=i) at temperature 1; 0.0 where id is -1.
+    target_prompt_logprobs: list[list[float]] | None = None
+    # [P-1][k] when prompt_alt_tokens_k > 0: the draws at each prompt position 1..P-1, (token id, logprob at
+    # temperature 1), in draw order.
+    prompt_alt_tokens: list[list[tuple[int, float]]] | None = None
     # Why the engine gave up on this request (finish_reason "abort"): its own prefill failed, e.g. out of
     # memory; None for a request that finished, or was aborted by its caller.
     error: str | None = None

@@ -23,9 +23,16 @@ from torch import Tensor
 
 from inflight.inference.adapters import parse_adapter
 from inflight.inference.runner import ModelRunner, RunnerChoice, build_runner
-from inflight.inference.sampling import sample
+from inflight.inference.sampling import sample, topk_logprobs
 from inflight.models.device import resolve_device
-from inflight.types import AdapterUpdate, Completion, FinishReason, SampleRequest, WeightUpdate
+from inflight.types import (
+    AdapterUpdate,
+    Completion,
+    FinishReason,
+    SampleRequest,
+    SamplingParams,
+    WeightUpdate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +88,24 @@ class _Sequence:
     kv_version: int = 0  # oldest weight version (the adapter's, for adapter rows) among its cached K/V
     prompt_logprobs: list[float] | None = None  # [P] when asked
     topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None  # [P] when asked
+    target_prompt_logprobs: list[list[float]] | None = None  # [P-1][K] when asked
+    prompt_alt_tokens: list[list[tuple[int, float]]] | None = None  # [P-1][k] when asked
+    topk_logprobs: list[list[tuple[int, float]]] | None = None  # [T] when asked, one entry per token
+
+    def __post_init__(self) -> None:
+        if self.request.params.topk_logprobs > 0:
+            self.topk_logprobs = []
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether its prefill must keep the logits of every prompt position."""
+        r = self.request
+        return bool(
+            r.prompt_logprobs
+            or r.topk_prompt_logprobs
+            or r.target_prompt_ids is not None
+            or r.prompt_alt_tokens_k
+        )
 
 
 @dataclass(frozen=True)
@@ -321,7 +346,7 @@ class BuiltinEngine:
         with self._lock:
             entry = self._lookup_adapter(request)
         logits = self._runner.full_logits(token_ids, None if entry is None else entry.weights)
-        return _prompt_logprobs(token_ids, logits, 0)[0]
+        return _prompt_logprobs(token_ids, torch.log_softmax(logits[:-1].float(), dim=-1), 0)[0]
 
     def _lookup_adapter(self, request: SampleRequest) -> _Adapter | None:
         """The adapter a request names (None: the base weights); the caller holds the lock."""
@@ -474,29 +499,52 @@ class BuiltinEngine:
             self._counters.prefill_failures += len(failed)
         if not self._running:
             return torch.empty(0), torch.empty(0), finished
-        token_ids, logprobs = sample(
-            torch.stack(rows),
-            [s.request.params for s in self._running],
-            [s.generator for s in self._running],
-            self._generator,
-        )
+        logits, params = torch.stack(rows), [s.request.params for s in self._running]
+        token_ids, logprobs = sample(logits, params, [s.generator for s in self._running], self._generator)
+        self._record_topk(logits, params)
         return token_ids, logprobs, finished
+
+    def _record_topk(self, logits: Tensor, params: list[SamplingParams]) -> None:
+        """Append this step's top-k (id, logprob) to each running sequence that asks for them; tokens the
+        row's distribution cannot draw (-inf) are left out."""
+        rows, ids, values = topk_logprobs(logits, params)
+        if not rows:
+            return
+        for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+            seq, k = self._running[row], params[row].topk_logprobs
+            pairs = [(i, v) for i, v in zip(row_ids[:k], row_values[:k], strict=True) if v != -math.inf]
+            assert seq.topk_logprobs is not None  # set at admission for requests that ask
+            seq.topk_logprobs.append(pairs)
 
     def _prefill(self, row0: int, row1: int, adapters: list[Any]) -> list[Tensor]:
         """Prefill the newcomers in rows row0..row1-1; their last-position logits, one [V] per row."""
         new = self._running[row0:row1]
-        wanted = [i for i, s in enumerate(new) if s.request.prompt_logprobs or s.request.topk_prompt_logprobs]
+        wanted = [i for i, s in enumerate(new) if s.wants_prompt_logits]
         last, full = self._runner.prefill(
             [s.request.prompt_token_ids for s in new], row0, adapters[row0:row1], wanted
         )
         for i, s in enumerate(new):
             s.num_cached = len(s.request.prompt_token_ids)
             if i in full:
-                prompt, k = s.request.prompt_token_ids, s.request.topk_prompt_logprobs
-                lps, topk = _prompt_logprobs(prompt, full[i], k)
-                s.prompt_logprobs = lps if s.request.prompt_logprobs else None
-                s.topk_prompt_logprobs = topk if s.request.topk_prompt_logprobs else None
+                self._prompt_outputs(s, full[i])
         return list(last)
+
+    def _prompt_outputs(self, seq: _Sequence, logits: Tensor) -> None:
+        """Everything a request asks of its prompt, from the logits [P, V] of its prefill."""
+        r = seq.request
+        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # [P-1, V]: predictions for prompt[1:]
+        lps, topk = _prompt_logprobs(r.prompt_token_ids, logprobs, r.topk_prompt_logprobs)
+        seq.prompt_logprobs = lps if r.prompt_logprobs else None
+        seq.topk_prompt_logprobs = topk if r.topk_prompt_logprobs else None
+        if r.target_prompt_ids is not None:
+            seq.target_prompt_logprobs = _target_logprobs(logprobs, r.target_prompt_ids)
+        if r.prompt_alt_tokens_k:
+            seed = r.params.seed
+            # A generator of its own, so the request's sampled tokens do not depend on the draws.
+            generator = self._generator if seed is None else torch.Generator(self._device).manual_seed(seed)
+            seq.prompt_alt_tokens = _alt_tokens(
+                logits[:-1].float(), logprobs, r.prompt_alt_tokens_k, r.params.temperature, generator
+            )
 
     def _update(self, token_ids: Tensor, logprobs: Tensor) -> list[Completion]:
         finishing: list[tuple[int, FinishReason]] = []
@@ -570,6 +618,9 @@ class BuiltinEngine:
             text=text,
             prompt_logprobs=seq.prompt_logprobs,
             topk_prompt_logprobs=seq.topk_prompt_logprobs,
+            topk_logprobs=seq.topk_logprobs,
+            target_prompt_logprobs=seq.target_prompt_logprobs,
+            prompt_alt_tokens=seq.prompt_alt_tokens,
             error=error,
         )
 
@@ -600,6 +651,22 @@ class BuiltinEngine:
             raise ValueError(
                 f"request {rid}: topk_prompt_logprobs must be >= 0, got {request.topk_prompt_logprobs}"
             )
+        if request.prompt_alt_tokens_k < 0:
+            raise ValueError(
+                f"request {rid}: prompt_alt_tokens_k must be >= 0, got {request.prompt_alt_tokens_k}"
+            )
+        targets = request.target_prompt_ids
+        if targets is not None:
+            if len(targets) != len(prompt) - 1:
+                raise ValueError(
+                    f"request {rid}: target_prompt_ids has {len(targets)} rows; it needs len(prompt) - 1 = "
+                    f"{len(prompt) - 1} (row i scores prompt position i + 1)"
+                )
+            bad = [t for row in targets for t in row if not -1 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"request {rid}: target_prompt_ids holds {bad[0]}; ids must lie in [0, {vocab}), or be -1"
+                )
         with self._lock:
             self._lookup_adapter(request)
 
@@ -625,12 +692,11 @@ def _describe(exc: BaseException) -> str:
 
 
 def _prompt_logprobs(
-    prompt: list[int], logits: Tensor, top_k: int
+    prompt: list[int], logprobs: Tensor, top_k: int
 ) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """From logits [P, V] over the prompt: ([P] log p(prompt_t | prompt_<t), NaN first; [P] the top_k
-    (id, logprob) per position, most likely first, [] first), at temperature 1."""
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # predictions for prompt[1:]
-    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)[:, None]
+    """From logprobs [P-1, V] at temperature 1 (row t predicts prompt[t + 1]): ([P] log p(prompt_t |
+    prompt_<t), NaN first; [P] the top_k (id, logprob) per position, most likely first, [] first)."""
+    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logprobs.device)[:, None]
     values = [math.nan, *logprobs.gather(1, targets).squeeze(1).tolist()]
     topk: list[list[tuple[int, float]]] = [[]]
     k = min(top_k, logprobs.shape[-1])
@@ -638,3 +704,30 @@ def _prompt_logprobs(
         best, ids = logprobs.topk(k, dim=-1)
         topk += [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), best.tolist(), strict=True)]
     return values, topk
+
+
+def _target_logprobs(logprobs: Tensor, ids: list[list[int]]) -> list[list[float]]:
+    """[P-1][K] logprobs[i, ids[i][j]] from logprobs [P-1, V]; 0.0 where the id is -1. Rows may differ in
+    length."""
+    width = max((len(row) for row in ids), default=0)
+    if width == 0:
+        return [[] for _ in ids]
+    padded = torch.tensor([row + [-1] * (width - len(row)) for row in ids], device=logprobs.device)
+    values = logprobs.gather(1, padded.clamp_min(0)).masked_fill(padded < 0, 0.0).tolist()
+    return [row_values[: len(row)] for row, row_values in zip(ids, values, strict=True)]
+
+
+def _alt_tokens(
+    logits: Tensor, logprobs: Tensor, k: int, temperature: float, generator: torch.Generator
+) -> list[list[tuple[int, float]]]:
+    """k draws with replacement from softmax(logits / temperature) per row of logits [P-1, V] (the argmax
+    at temperature 0), each with its logprob from logprobs [P-1, V] (temperature 1)."""
+    if logits.shape[0] == 0:
+        return []
+    if temperature == 0:
+        ids = logits.argmax(dim=-1, keepdim=True).expand(-1, k)
+    else:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        ids = torch.multinomial(probs, k, replacement=True, generator=generator)
+    values = logprobs.gather(1, ids)
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]

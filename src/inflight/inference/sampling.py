@@ -38,6 +38,31 @@ def sample(
     return tokens, sampled.index_copy(0, index, raw_logprobs(logits[index], tokens[index]))
 
 
+def topk_logprobs(logits: Tensor, params: Sequence[SamplingParams]) -> tuple[list[int], Tensor, Tensor]:
+    """The most likely tokens of the rows that ask (`topk_logprobs` > 0), in each row's `logprobs_kind`.
+
+    Returns (rows asking, ids [r, k] long, logprobs [r, k] float32) with k the largest asked; a row asking
+    fewer uses its first ones. "raw" rows (and greedy ones) rank log_softmax(logits); "sampled" rows the
+    distribution they draw from, where tokens outside a top-k/top-p cut are -inf.
+    """
+    rows = [i for i, p in enumerate(params) if p.topk_logprobs > 0]
+    k = min(max((params[i].topk_logprobs for i in rows), default=0), logits.shape[-1])
+    if not rows:
+        empty = logits.new_empty(0, 0)
+        return rows, empty.long(), empty
+    index = torch.tensor(rows, device=logits.device)
+    dist = logits.float()[index]
+    for j, row in enumerate(rows):  # few rows ask, and each row's processing is its own
+        p = params[row]
+        if p.logprobs_kind == "sampled" and p.temperature > 0:
+            scaled = dist[j : j + 1] / p.temperature
+            if p.truncates_distribution:
+                scaled = truncate(scaled, [p.top_k], [p.top_p])
+            dist[j : j + 1] = scaled
+    best, ids = torch.log_softmax(dist, dim=-1).topk(k, dim=-1)
+    return rows, ids, best
+
+
 def raw_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     """[n] log_softmax(logits)[token] per row: temperature 1, no truncation."""
     return logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)

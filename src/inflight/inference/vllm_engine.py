@@ -11,7 +11,9 @@ How the contract maps onto vLLM (held by tests/test_engine_contract.py's "http-v
   equals it at temperature 0 or 1 without truncation; a "raw" request under any other sampling is refused
   (ValueError), since vLLM cannot report both kinds from one engine.
 - Prompt logprobs: vLLM's `prompt_logprobs=k` (log_softmax of the unprocessed logits); the k most likely are
-  those of rank <= k.
+  those of rank <= k. Top-k logprobs of generated tokens: vLLM's `logprobs=k` (in its logprobs_mode, so the
+  "sampled" kind, as the token's own). Target prompt ids and alternative draws at prompt positions have no
+  vLLM counterpart and are refused (ValueError).
 - Adapters: `set_adapter` writes a PEFT directory and gives the name a new `LoRARequest` id; requests admitted
   later use it. Unlike the built-in engine, a replacement does not reach requests already running (vLLM
   binds a LoRA to a request at admission): their tokens keep the version they were admitted with.
@@ -67,6 +69,7 @@ class _Running:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    topk_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # [T] when asked
 
 
 @dataclass
@@ -320,10 +323,19 @@ class VllmEngine:
                 f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds this "
                 f"engine's max_seq_len_tokens={self.config.max_seq_len_tokens}"
             )
-        if request.topk_prompt_logprobs > self.config.max_prompt_logprobs:
+        for name, k in (
+            ("topk_prompt_logprobs", request.topk_prompt_logprobs),
+            ("topk_logprobs", p.topk_logprobs),
+        ):
+            if k > self.config.max_prompt_logprobs:
+                raise ValueError(
+                    f"{name}={k} exceeds this engine's max_prompt_logprobs={self.config.max_prompt_logprobs}"
+                )
+        if request.target_prompt_ids is not None or request.prompt_alt_tokens_k:
             raise ValueError(
-                f"topk_prompt_logprobs={request.topk_prompt_logprobs} exceeds this engine's "
-                f"max_prompt_logprobs={self.config.max_prompt_logprobs}"
+                "the vLLM backend cannot score target ids (target_prompt_ids) or draw alternatives "
+                "(prompt_alt_tokens_k) at prompt positions: vLLM reports only the top-k there; use the "
+                "built-in engine (--backend builtin)"
             )
         with self._lock:
             self._lookup_adapter(request.adapter)
@@ -355,7 +367,7 @@ class VllmEngine:
             stop=list(p.stop),
             stop_token_ids=list(p.stop_token_ids),
             ignore_eos=True,  # inflight's engines stop only where the request says
-            logprobs=0,  # the sampled token's own logprob
+            logprobs=p.topk_logprobs,  # the sampled token's own logprob, and the k most likely
             prompt_logprobs=request.topk_prompt_logprobs if asks_prompt else None,
             # Cumulative: tokens new since the last step are those past what we hold; the final text is
             # vLLM's, cut before a stop string.
@@ -428,6 +440,9 @@ class VllmEngine:
                 new_logprobs = sample.logprobs[len(running.logprobs) :] if sample.logprobs else []
                 running.token_ids += new
                 running.logprobs += [lp[t].logprob for t, lp in zip(new, new_logprobs, strict=True)]
+                if running.request.params.topk_logprobs > 0:
+                    k = running.request.params.topk_logprobs
+                    running.topk_logprobs += [_top(lp, k) for lp in new_logprobs]
                 stamp = version if running.adapter_version is None else running.adapter_version
                 running.versions += [stamp] * len(new)
                 self._counters.tokens_generated += len(new)
@@ -476,8 +491,16 @@ def _completion(
         text=text,
         prompt_logprobs=prompt_logprobs,
         topk_prompt_logprobs=topk,
+        topk_logprobs=running.topk_logprobs if request.params.topk_logprobs > 0 else None,
         error=error,
     )
+
+
+def _top(logprobs: dict[int, Any], k: int) -> list[tuple[int, float]]:
+    """The (id, logprob) of rank <= k, most likely first; -inf ones (outside top-k/top-p) left out, as the
+    built-in engine does."""
+    ranked = sorted(logprobs.items(), key=lambda x: x[1].rank)
+    return [(token, lp.logprob) for token, lp in ranked if lp.rank <= k and lp.logprob != float("-inf")]
 
 
 def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

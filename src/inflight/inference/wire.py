@@ -2,9 +2,9 @@
 /metrics), shared by `server.py` and `client.py`. Pydantic only: importing this module starts no engine and
 no HTTP stack.
 
-Together these routes carry the whole Engine interface (`engine.py`): a request's adapter, logprob kind and
-prompt logprobs, and adapters registered, replaced and removed. The OpenAI-compatible routes have their own
-schemas in `openai_api.py`.
+Together these routes carry the whole Engine interface (`engine.py`): a request's adapter, logprob kind,
+top-k logprobs and prompt outputs (logprobs, top-k, target ids, alternative draws), and adapters registered,
+replaced and removed. The OpenAI-compatible routes have their own schemas in `openai_api.py`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from inflight.types import Completion, SampleRequest, SamplingParams
 
 VERSION_HEADER = "X-Weight-Version"  # /update_weights_raw: the version of the safetensors body
-# Enough for Tinker's topk_prompt_logprobs and vLLM's default max_logprobs (20); it bounds the answer
-# (prompt tokens x k pairs), which the server builds in memory.
+# Enough for Tinker's top-k widths and vLLM's default max_logprobs (20); it bounds the answer (tokens x k
+# values, for each top-k, target and draw table), which the server builds in memory.
 MAX_TOPK_PROMPT_LOGPROBS = 1000
+TargetRow = Annotated[list[int], Field(max_length=MAX_TOPK_PROMPT_LOGPROBS)]
 # Adapter names travel in JSON bodies, query strings and OpenAI's `model` field: one visible token.
 AdapterName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^\S+$")]
 
@@ -40,8 +41,11 @@ class GenerateRequest(BaseModel):
     logprobs_kind: Literal["sampled", "raw"] = "sampled"  # docs/architecture.md, "Logprobs"
     request_id: str | None = None  # default: a fresh id
     adapter: AdapterName | None = None  # a LoRA adapter registered with /set_adapter; None = base weights
+    topk_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
+    target_prompt_ids: list[TargetRow] | None = None  # [P-1][K]; -1 asks nothing
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
 
     @classmethod
     def from_request(cls, request: SampleRequest) -> GenerateRequest:
@@ -56,10 +60,13 @@ class GenerateRequest(BaseModel):
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
             logprobs_kind=params.logprobs_kind,
+            topk_logprobs=params.topk_logprobs,
             request_id=request.request_id,
             adapter=request.adapter,
             prompt_logprobs=request.prompt_logprobs,
             topk_prompt_logprobs=request.topk_prompt_logprobs,
+            target_prompt_ids=request.target_prompt_ids,
+            prompt_alt_tokens_k=request.prompt_alt_tokens_k,
         )
 
     def sample_request(self, request_id: str) -> SampleRequest:
@@ -72,6 +79,7 @@ class GenerateRequest(BaseModel):
             stop=tuple(self.stop),
             stop_token_ids=tuple(self.stop_token_ids),
             logprobs_kind=self.logprobs_kind,
+            topk_logprobs=self.topk_logprobs,
         )
         return SampleRequest(
             self.prompt_token_ids,
@@ -80,6 +88,8 @@ class GenerateRequest(BaseModel):
             adapter=self.adapter,
             prompt_logprobs=self.prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs,
+            target_prompt_ids=self.target_prompt_ids,
+            prompt_alt_tokens_k=self.prompt_alt_tokens_k,
         )
 
 
@@ -93,6 +103,9 @@ class GenerateResponse(BaseModel):
     # [P] when asked; JSON has no NaN, so position 0 (no prefix) is null on the wire.
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None  # [P] (id, logprob) pairs; [0] is []
+    topk_logprobs: list[list[tuple[int, float]]] | None = None  # [T] up to k (id, logprob) pairs
+    target_prompt_logprobs: list[list[float]] | None = None  # [P-1][K]; 0.0 where the id was -1
+    prompt_alt_tokens: list[list[tuple[int, float]]] | None = None  # [P-1][k] (id, logprob) draws
 
     @classmethod
     def from_completion(cls, completion: Completion) -> GenerateResponse:
@@ -106,6 +119,9 @@ class GenerateResponse(BaseModel):
             text=completion.text,
             prompt_logprobs=None if prompt is None else [None if math.isnan(x) else x for x in prompt],
             topk_prompt_logprobs=completion.topk_prompt_logprobs,
+            topk_logprobs=completion.topk_logprobs,
+            target_prompt_logprobs=completion.target_prompt_logprobs,
+            prompt_alt_tokens=completion.prompt_alt_tokens,
         )
 
     def to_completion(self, prompt_token_ids: list[int]) -> Completion:
@@ -120,6 +136,9 @@ class GenerateResponse(BaseModel):
             text=self.text,
             prompt_logprobs=None if prompt is None else [math.nan if x is None else x for x in prompt],
             topk_prompt_logprobs=self.topk_prompt_logprobs,
+            topk_logprobs=self.topk_logprobs,
+            target_prompt_logprobs=self.target_prompt_logprobs,
+            prompt_alt_tokens=self.prompt_alt_tokens,
         )
 
 
