@@ -206,6 +206,8 @@ def test_near_valid_sample_requests(fuzzed: Fuzzed, data: st.DataObject) -> None
         },
         "prompt_logprobs": data.draw(st.booleans()),
         "topk_prompt_logprobs": data.draw(st.integers(0, 3)),
+        "topk_sample_logprobs": data.draw(st.integers(0, 3)),
+        "prompt_alt_tokens_k": data.draw(st.integers(0, 3)),
     }
     junk = {
         "sampling_session_id": st.sampled_from(["nope:sample:0", "", "x" * 500]),
@@ -236,7 +238,18 @@ def test_near_valid_sample_requests(fuzzed: Fuzzed, data: st.DataObject) -> None
         ),
         "prompt_logprobs_last_n": st.integers(-1, 10) | HUGE_INTS,
         "topk_prompt_logprobs": HUGE_INTS | st.integers(VOCAB - 1, VOCAB + 1),
-        "topk_sample_logprobs": st.integers(1, 3),
+        "topk_sample_logprobs": HUGE_INTS | st.integers(VOCAB - 1, VOCAB + 1),
+        "prompt_alt_tokens_k": HUGE_INTS | st.integers(-2, -1) | st.just(10**4),
+        # Near-valid target tensors: wrong dtype, rank, row count, ids, or a CSR layout out of bounds.
+        "target_prompt_logprobs": st.fixed_dictionaries(
+            {
+                "data": st.lists(st.integers(-3, VOCAB + 3) | st.floats(allow_nan=False), max_size=12),
+                "dtype": st.sampled_from(["int64", "float32"]),
+                "shape": st.lists(st.integers(0, 6) | HUGE_INTS, max_size=3) | st.none(),
+                "sparse_crow_indices": st.lists(st.integers(-2, 14), max_size=8) | st.none(),
+                "sparse_col_indices": st.lists(st.integers(-2, 8), max_size=8) | st.none(),
+            }
+        ),
         "record_stability_info": st.just(True),
     }
     fuzzed.post("asample", json=mutated(data, valid, junk))

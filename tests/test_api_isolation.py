@@ -78,6 +78,18 @@ HOSTILE: dict[str, dict[str, Any]] = {
     "stop_token": {"stop": [2**40]},
     "seed": {"seed": 2**80},
     "seq_id": {"seq_id": 2**64},
+    "topk_sample_logprobs": {"topk_sample_logprobs": 10**12},
+    "prompt_alt_tokens_k": {"prompt_alt_tokens_k": 10**6},
+    # A sparse [2, 2^30] tensor of one cell: refused for its width before any [rows, K] table is built.
+    "target_prompt_logprobs": {
+        "target_prompt_logprobs": {
+            "data": [1],
+            "dtype": "int64",
+            "shape": [2, 2**30],
+            "sparse_crow_indices": [0, 1, 1],
+            "sparse_col_indices": [2**30 - 1],
+        }
+    },
 }
 
 

@@ -6,10 +6,11 @@ Pure functions over `schemas` and `job_types`; protobuf requests are `proto`'s b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from inflight.api.job_types import LoraSpec, OptimStep, SampleJob
-from inflight.api.schemas import AdamParams, LoraConfig, OptimStepRequest, SampleRequest
+from inflight.api.job_types import CsrLayout, LoraSpec, OptimStep, PromptTargets, SampleJob
+from inflight.api.schemas import AdamParams, LoraConfig, OptimStepRequest, SampleRequest, TensorData
 from inflight.errors import UserError
 
 # vLLM's rule: a temperature this close to 0 samples greedily (dividing logits by it overflows float32).
@@ -109,11 +110,26 @@ def sample_job(
     if any(not 0 <= t < limits.vocab_size for t in stop_ids):
         raise UserError(f"stop token ids {stop_ids} must lie in the vocabulary [0, {limits.vocab_size})")
     topk_limit = min(max_topk_logprobs, limits.vocab_size)
-    if request.topk_prompt_logprobs > topk_limit:
+    widths = {
+        "topk_prompt_logprobs": request.topk_prompt_logprobs,
+        "topk_sample_logprobs": request.topk_sample_logprobs,
+    }
+    for name, k in widths.items():
+        if k > topk_limit:
+            raise UserError(
+                f"{name}={k} is above this server's limit of {topk_limit} (the vocabulary has "
+                f"{limits.vocab_size} tokens)"
+            )
+    # Draws may repeat, so the vocabulary does not bound them; the table's width (the answer's size) does.
+    if request.prompt_alt_tokens_k > max_topk_logprobs:
         raise UserError(
-            f"topk_prompt_logprobs={request.topk_prompt_logprobs} is above this server's limit of "
-            f"{topk_limit} (the vocabulary has {limits.vocab_size} tokens)"
+            f"prompt_alt_tokens_k={request.prompt_alt_tokens_k} is above this server's limit of "
+            f"{max_topk_logprobs} draws per prompt position"
         )
+    target = request.target_prompt_logprobs
+    targets = (
+        None if target is None else prompt_targets(target, len(prompt), limits.vocab_size, max_topk_logprobs)
+    )
     # k at or above the vocabulary keeps every token: exactly top_k=-1, served as such.
     top_k = -1 if params.top_k >= limits.vocab_size else params.top_k
     temperature = 0.0 if params.temperature < MIN_TEMPERATURE else params.temperature
@@ -130,19 +146,84 @@ def sample_job(
         stop=stop,
         prompt_logprobs=bool(request.prompt_logprobs) or request.topk_prompt_logprobs > 0,
         topk_prompt_logprobs=request.topk_prompt_logprobs,
+        topk_sample_logprobs=request.topk_sample_logprobs,
+        target_prompt=targets,
+        prompt_alt_tokens_k=request.prompt_alt_tokens_k,
     )
 
 
+def prompt_targets(tensor: TensorData, prompt_len: int, vocab_size: int, max_width: int) -> PromptTargets:
+    """A sample's target_prompt_logprobs as ids [P-1][K] (-1 in every cell a sparse tensor leaves out), with
+    its layout for the answer. Raises UserError naming the problem; the width K is bounded by `max_width`,
+    as a top-k is (the answer is a [P-1, K] table)."""
+    name = "target_prompt_logprobs"
+    if tensor.dtype != "int64":
+        raise UserError(f"{name} must be an int64 tensor of token ids, got {tensor.dtype}")
+    shape = tensor.shape
+    if shape is None or len(shape) != 2:
+        raise UserError(f"{name} must be 2-D, [len(prompt) - 1, K]; got shape {shape}")
+    rows, width = shape
+    if rows != prompt_len - 1:
+        raise UserError(
+            f"{name} has {rows} rows; the prompt has {prompt_len} tokens, so it needs len(prompt) - 1 = "
+            f"{prompt_len - 1} (row i scores prompt position i + 1)"
+        )
+    if not 1 <= width <= max_width:
+        raise UserError(f"{name} has {width} columns; this server takes 1 to {max_width} ids per position")
+    values = _token_ids(name, tensor.data, vocab_size)
+    layout = _csr_layout(name, tensor, rows, width, len(values))
+    if layout is None:
+        if len(values) != rows * width:
+            raise UserError(f"{name} declares shape {shape} but holds {len(values)} values")
+        ids = [values[i * width : (i + 1) * width] for i in range(rows)]
+    else:
+        ids = [[-1] * width for _ in range(rows)]
+        crow, col = layout.crow_indices, layout.col_indices
+        for i in range(rows):
+            for j in range(crow[i], crow[i + 1]):
+                ids[i][col[j]] = values[j]
+    if all(t == -1 for row in ids for t in row):
+        raise UserError(f"{name} names no token id (every cell is -1): name at least one, or leave it out")
+    return PromptTargets(ids=ids, layout=layout)
+
+
+def _token_ids(name: str, data: list[float], vocab_size: int) -> list[int]:
+    bad = [v for v in data if not (math.isfinite(v) and v == int(v) and -1 <= v < vocab_size)]
+    if bad:
+        raise UserError(
+            f"{name} holds {bad[0]:g}; ids must lie in the vocabulary [0, {vocab_size}), or be -1"
+        )
+    return [int(v) for v in data]
+
+
+def _csr_layout(name: str, tensor: TensorData, rows: int, width: int, nnz: int) -> CsrLayout | None:
+    """The tensor's sparse layout, checked (rows' column indices strictly increase); None if dense."""
+    crow, col = tensor.sparse_crow_indices, tensor.sparse_col_indices
+    if crow is None and col is None:
+        return None
+    if crow is None or col is None:
+        raise UserError(f"{name}: a sparse tensor needs both sparse_crow_indices and sparse_col_indices")
+    if len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != nnz or len(col) != nnz:
+        raise UserError(
+            f"{name}: sparse_crow_indices must hold rows + 1 = {rows + 1} offsets from 0 to the {nnz} "
+            f"values, and sparse_col_indices {nnz} columns; got {len(crow)} offsets and {len(col)} columns"
+        )
+    for i in range(rows):
+        cells = col[crow[i] : crow[i + 1]] if crow[i] <= crow[i + 1] else None
+        if cells is None or any(not 0 <= c < width for c in cells) or cells != sorted(set(cells)):
+            raise UserError(
+                f"{name}: row {i} of the sparse tensor is malformed (its offsets must not decrease, its "
+                f"columns must increase within [0, {width}))"
+            )
+    return CsrLayout(crow_indices=list(crow), col_indices=list(col))
+
+
 def _check_unsupported(request: SampleRequest) -> None:
-    unsupported = {
-        "topk_sample_logprobs": request.topk_sample_logprobs > 0,
-        "target_prompt_logprobs": request.target_prompt_logprobs is not None,
-        "prompt_alt_tokens_k": request.prompt_alt_tokens_k > 0,
-        # It feeds the stable_reinforce loss, which this server does not implement.
-        "record_stability_info": bool(request.record_stability_info),
-    }
-    named = [name for name, asked in unsupported.items() if asked]
-    if named:
-        raise UserError(f"sampling options not supported by this server: {', '.join(named)}")
+    if request.record_stability_info:
+        raise UserError(
+            "record_stability_info is not supported: it records data for the stable_reinforce loss, whose "
+            "objective (and so what to record) Tinker has not published and this server does not implement; "
+            "create the sampling client without record_stability_info"
+        )
     if request.sampling_params.top_k == 0:
         raise UserError("top_k=0 keeps no token: use -1 for no top-k limit, or a positive k")

@@ -9,6 +9,7 @@ about HTTP, the database or futures; every decode error is a UserError naming th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,13 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from inflight.api.ids import check_model_id
-from inflight.api.job_types import Datum, ForwardBackwardJob, ForwardBackwardOutput, SampleOutput
+from inflight.api.job_types import (
+    Datum,
+    ForwardBackwardJob,
+    ForwardBackwardOutput,
+    SampleOutput,
+    TargetLogprobs,
+)
 from inflight.api.schemas import ForwardBackwardInput, TensorData
 from inflight.errors import UserError
 
@@ -216,17 +223,25 @@ def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
 
 
 def encode_sample_output(
-    output: SampleOutput, *, prompt_logprobs_last_n: int | None = None, topk_prompt_logprobs: int = 0
+    output: SampleOutput,
+    *,
+    prompt_logprobs_last_n: int | None = None,
+    topk_prompt_logprobs: int = 0,
+    topk_sample_logprobs: int = 0,
+    prompt_alt_tokens_k: int = 0,
 ) -> bytes:
     """SampleResponse bytes. Prompt positions without a logprob (the first, or those before the last N
-    asked for) are NaN, which the SDK shows as None."""
+    asked for) are NaN, which the SDK shows as None; the last N bound prompt logprobs and their top-k only,
+    never the target logprobs or the alternative draws (the SDK's contract)."""
     message = pb.SampleResponse()
     for sequence in output.sequences:
-        message.sequences.add(
+        encoded = message.sequences.add(
             stop_reason=pb.STOP_REASON_LENGTH if sequence.stop_reason == "length" else pb.STOP_REASON_STOP,
             tokens=np.asarray(sequence.tokens, dtype="<i4").tobytes(),
             logprobs=np.asarray(sequence.logprobs, dtype="<f4").tobytes(),
         )
+        if sequence.topk_logprobs is not None and topk_sample_logprobs > 0:
+            encoded.topk_sampled_logprobs.CopyFrom(_topk(sequence.topk_logprobs, topk_sample_logprobs, None))
     if output.prompt_logprobs is not None:
         values = np.array([math.nan if v is None else v for v in output.prompt_logprobs], dtype="<f4")
         skip = _positions_skipped(values.size, prompt_logprobs_last_n)
@@ -236,14 +251,42 @@ def encode_sample_output(
         message.topk_prompt_logprobs.CopyFrom(
             _topk(output.topk_prompt_logprobs, topk_prompt_logprobs, prompt_logprobs_last_n)
         )
+    if output.target_prompt_logprobs is not None:
+        message.target_prompt_logprobs.CopyFrom(_target_tensor(output.target_prompt_logprobs))
+    if output.prompt_alt_tokens is not None:
+        rows = output.prompt_alt_tokens
+        shape = [len(rows), prompt_alt_tokens_k]
+        ids = np.array([[i for i, _ in row] for row in rows], dtype="<i8").reshape(shape)
+        values = np.array([[v for _, v in row] for row in rows], dtype="<f4").reshape(shape)
+        message.prompt_alt_tokens.tokens.CopyFrom(
+            pb.Tensor(dtype=pb.DTYPE_INT64, shape=shape, dense=ids.tobytes())
+        )
+        message.prompt_alt_tokens.logprobs.CopyFrom(
+            pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape, dense=values.tobytes())
+        )
     return message.SerializeToString()
+
+
+def _target_tensor(target: TargetLogprobs) -> pb.Tensor:
+    """Float32 [P-1, K] in the request's layout: dense, or sparse CSR listing the same cells."""
+    values = np.array(target.values, dtype="<f4").reshape(len(target.values), -1)
+    shape = list(values.shape)
+    layout = target.layout
+    if layout is None:
+        return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape, dense=values.tobytes())
+    crow = np.asarray(layout.crow_indices, dtype="<i8")
+    col = np.asarray(layout.col_indices, dtype="<i8")
+    rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+    listed = values[rows, col].astype("<f4")
+    csr = pb.SparseCsr(values=listed.tobytes(), crow_indices=crow.tobytes(), col_indices=col.tobytes())
+    return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape, sparse_csr=csr)
 
 
 def _positions_skipped(length: int, last_n: int | None) -> int:
     return 0 if last_n is None else max(0, length - last_n)
 
 
-def _topk(rows: list[list[tuple[int, float]] | None], k: int, last_n: int | None) -> pb.TopkLogprobs:
+def _topk(rows: Sequence[list[tuple[int, float]] | None], k: int, last_n: int | None) -> pb.TopkLogprobs:
     token_ids = np.full((len(rows), k), TOPK_EMPTY_TOKEN, dtype="<i4")
     logprobs = np.full((len(rows), k), TOPK_EMPTY_LOGPROB, dtype="<f4")
     skip = _positions_skipped(len(rows), last_n)

@@ -1,8 +1,9 @@
 """The service's sampling: Tinker sample jobs through the shared engine, one `EngineLoop` per base model.
 
 Owns the mapping between Tinker's sampling semantics and engine requests (a job's `num_samples` become that
-many requests, sample i seeded `seed + i`; no stop given means stop at EOS; logprobs are the raw model's,
-temperature 1 untruncated, asked of the engine explicitly) and the sampler weights the engine holds (LoRA
+many requests, sample i seeded `seed + i`; no stop given means stop at EOS; logprobs, top-k ones included,
+are the raw model's, temperature 1 untruncated, asked of the engine explicitly; the prompt's outputs are the
+first request's) and the sampler weights the engine holds (LoRA
 adapters registered under sampler keys). Knows nothing of HTTP, futures in the database, or training: the
 worker submits jobs and gets a `concurrent.futures.Future` per job, settled on the engine loop's thread when
 its last sequence finishes, so a long sample never holds up anyone's training.
@@ -17,7 +18,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from inflight.api.job_types import SampledSequence, SampleJob, SampleOutput
+from inflight.api.job_types import SampledSequence, SampleJob, SampleOutput, TargetLogprobs
 from inflight.errors import UserError
 from inflight.inference.builtin import BuiltinEngine
 from inflight.inference.engine_loop import EngineLoop
@@ -217,8 +218,14 @@ def engine_requests(job: SampleJob, limits: SamplingLimits) -> list[SampleReques
         raise UserError(f"sample: num_samples must be >= 1, got {job.num_samples}")
     if job.top_k < -1:
         raise UserError(f"sample: top_k must be -1 (off) or >= 1, got {job.top_k}")
-    if job.topk_prompt_logprobs < 0:
-        raise UserError(f"sample: topk_prompt_logprobs must be >= 0, got {job.topk_prompt_logprobs}")
+    widths = {
+        "topk_prompt_logprobs": job.topk_prompt_logprobs,
+        "topk_sample_logprobs": job.topk_sample_logprobs,
+        "prompt_alt_tokens_k": job.prompt_alt_tokens_k,
+    }
+    for name, k in widths.items():
+        if k < 0:
+            raise UserError(f"sample: {name} must be >= 0, got {k}")
     stop_ids, stop_strings = _stops(job.stop, limits.vocab_size, limits.eos_ids)
     requests = []
     for i in range(job.num_samples):
@@ -233,6 +240,7 @@ def engine_requests(job: SampleJob, limits: SamplingLimits) -> list[SampleReques
                 stop=stop_strings,
                 stop_token_ids=stop_ids,
                 logprobs_kind="raw",  # Tinker's: the model's own distribution at temperature 1
+                topk_logprobs=job.topk_sample_logprobs,
             )
         except ValueError as exc:
             raise UserError(f"sample: {exc}") from exc
@@ -241,16 +249,20 @@ def engine_requests(job: SampleJob, limits: SamplingLimits) -> list[SampleReques
                 prompt_token_ids=list(prompt),
                 params=params,
                 adapter=job.weights,
-                # The prompt's logprobs are the same for every sample: the first one computes them.
+                # The prompt's outputs are the same for every sample: the first one computes them (its
+                # draws seeded with the job's seed).
                 prompt_logprobs=i == 0 and job.prompt_logprobs,
                 topk_prompt_logprobs=job.topk_prompt_logprobs if i == 0 else 0,
+                target_prompt_ids=job.target_prompt.ids if i == 0 and job.target_prompt else None,
+                prompt_alt_tokens_k=job.prompt_alt_tokens_k if i == 0 else 0,
             )
         )
     return requests
 
 
 def sample_output(job: SampleJob, completions: Sequence[Completion]) -> SampleOutput:
-    """Tinker's view of a job's completions: prompt logprobs with None (not NaN) at position 0."""
+    """Tinker's view of a job's completions: prompt logprobs with None (not NaN) at position 0; every output
+    asked for is there, or this raises (an engine bug, never a silently shorter answer)."""
     first = completions[0]
     prompt_lps: list[float | None] | None = None
     if job.prompt_logprobs:
@@ -262,17 +274,29 @@ def sample_output(job: SampleJob, completions: Sequence[Completion]) -> SampleOu
         if first.topk_prompt_logprobs is None:
             raise RuntimeError("engine bug: top-k prompt logprobs were asked for and not returned")
         topk = [None, *first.topk_prompt_logprobs[1:]]
+    targets = None
+    if job.target_prompt is not None:
+        if first.target_prompt_logprobs is None:
+            raise RuntimeError("engine bug: target prompt logprobs were asked for and not returned")
+        targets = TargetLogprobs(first.target_prompt_logprobs, job.target_prompt.layout)
+    if job.prompt_alt_tokens_k and first.prompt_alt_tokens is None:
+        raise RuntimeError("engine bug: prompt alternative tokens were asked for and not returned")
+    if job.topk_sample_logprobs and any(c.topk_logprobs is None for c in completions):
+        raise RuntimeError("engine bug: top-k sample logprobs were asked for and not returned")
     return SampleOutput(
         sequences=[
             SampledSequence(
                 tokens=list(c.token_ids),
                 logprobs=list(c.logprobs),
                 stop_reason="stop" if c.finish_reason == "stop" else "length",
+                topk_logprobs=c.topk_logprobs if job.topk_sample_logprobs else None,
             )
             for c in completions
         ],
         prompt_logprobs=prompt_lps,
         topk_prompt_logprobs=topk,
+        target_prompt_logprobs=targets,
+        prompt_alt_tokens=first.prompt_alt_tokens if job.prompt_alt_tokens_k else None,
     )
 
 

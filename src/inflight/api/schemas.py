@@ -364,6 +364,17 @@ class SamplingParams(WireRequest):
     top_p: float = Field(default=1.0, gt=0, le=1)
 
 
+class TensorData(WireRequest):
+    """A tensor as JSON: a flat list of numbers with its dtype and shape; sparse CSR when the two index lists
+    are set (loss inputs refuse those in proto.py; a sample's target_prompt_logprobs takes them, jobs.py)."""
+
+    data: list[float] = Field(max_length=MAX_COUNT)
+    dtype: Literal["int64", "float32"]
+    shape: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
 class SampleRequest(WireRequest):
     num_samples: int = Field(default=1, ge=1, le=MAX_COUNT)
     prompt: ModelInput
@@ -376,7 +387,7 @@ class SampleRequest(WireRequest):
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_COUNT)
     topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_COUNT)
-    target_prompt_logprobs: dict[str, Any] | None = None
+    target_prompt_logprobs: TensorData | None = None  # int64 [len(prompt) - 1, K], dense or CSR
     prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_COUNT)
     prompt_logprobs_last_n: int | None = Field(default=None, ge=-MAX_COUNT, le=MAX_COUNT)
     record_stability_info: bool | None = None
@@ -384,17 +395,6 @@ class SampleRequest(WireRequest):
 
 
 # --- forward_backward / forward as JSON (the SDKs before 0.25; 0.25+ send protobuf, proto.py) --------------
-
-
-class TensorData(WireRequest):
-    """A loss input as JSON: a flat list of numbers with its dtype and shape (dense only; sparse CSR tensors
-    name their fields so proto.py can refuse them as the protobuf path does)."""
-
-    data: list[float] = Field(max_length=MAX_COUNT)
-    dtype: Literal["int64", "float32"]
-    shape: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = None
-    sparse_crow_indices: list[int] | None = None
-    sparse_col_indices: list[int] | None = None
 
 
 class JsonDatum(WireRequest):

@@ -536,6 +536,8 @@ class EngineWorker:
                         output,
                         prompt_logprobs_last_n=req.prompt_logprobs_last_n,
                         topk_prompt_logprobs=req.topk_prompt_logprobs,
+                        topk_sample_logprobs=req.topk_sample_logprobs,
+                        prompt_alt_tokens_k=req.prompt_alt_tokens_k,
                     )
 
                 self._settle(future, encode)  # a failure to encode is this request's alone
