@@ -1,9 +1,10 @@
 """The built-in engine: request lifecycle (waiting -> cache row -> finished), stop conditions, per-token
 versions, the LoRA adapter registry (which request uses which adapter, at which version), weight and adapter
-swaps between steps and the KV policy of sequences in flight across a swap, prompt logprobs. The forward
-pass is a `runner.ModelRunner` (`qwen2.py` for the families it reproduces, else `hf_runner.py`), sampling
-is `sampling.py`, adapter validation `adapters.py`. One driver thread calls step()/generate(); add_request,
-abort, update_weights, set_adapter, remove_adapter and metrics are thread-safe.
+swaps between steps and the KV policy of sequences in flight across a swap, prompt outputs (logprobs, top-k,
+target ids, draws) and the top-k of generated tokens. The forward pass is a `runner.ModelRunner` (`qwen2.py`
+for the families it reproduces, else `hf_runner.py`), sampling is `sampling.py`, adapter validation
+`adapters.py`. One driver thread calls step()/generate(); add_request, abort, update_weights, set_adapter,
+remove_adapter and metrics are thread-safe.
 """
 
 from __future__ import annotations
