@@ -1,10 +1,12 @@
 """`inflight bench train`: the trainer alone on the batch of `make run`, against a plain Hugging Face step.
 
-The batch: 128 BlackJack episodes (16 groups x 8, the recipe's step) played by random legal replies on the
-tiny model's chat format (~44 tokens each, replies ~4, lengths 30-150), their reply tokens trained with
-behaviour log-probs near the policy's and advantages of +-1, under the recipe's own TrainerConfig (PPO with
-its top-3 entropy bonus and the exact KL to a frozen reference, micro-batches of 32). One step is
-forward/backward over the batch and the AdamW step.
+The batch: 128 BlackJack episodes, 16 groups of 8 as the recipe's step has them (the 8 episodes of a
+group play the same hand, so they share their first turn, ~40 tokens), played by random legal replies on
+the tiny model's chat format (~42 tokens each, replies ~4, lengths 30-150), their reply tokens trained
+with behaviour log-probs near the policy's and advantages of +-1, under the recipe's own TrainerConfig
+(PPO with its top-3 entropy bonus and the exact KL to a frozen reference; the trainer's defaults for
+micro-batches, packing and shared prefixes, unless overridden: `trainer.share_prefixes=false`). One step
+is forward/backward over the batch and the AdamW step.
 
 The baseline is what a user writes with `transformers` alone on the same batch and model: one padded
 forward of the whole batch (`model(input_ids, attention_mask).logits`), log-softmax and gather, the
@@ -18,8 +20,9 @@ item 3: a fair share of 2 cores beside one such process is a slowdown of about 2
 
 Keys: `train_tokens_per_s` (every token of the batch, prompt and environment tokens included, over the
 step time; the trainer's own `train_tokens_per_s` counts the same), `hf_tokens_per_s`, `ratio_vs_hf`
-(goal >= 3, issue 16) and `mfu`: model FLOPs per step (6 x matmul parameters x tokens for the policy,
-2 x ... for the reference's forward; the embedding and attention left out) over the CPU's peak
+(goal >= 3, issue 16), `forward_tokens` (the tokens the trainer's forward pass computed: a shared prefix
+once) and `mfu`: model FLOPs per step (6 x matmul parameters x forward tokens for the policy, 2 x ... for
+the reference's forward; the embedding and attention left out) over the CPU's peak
 (`--peak-gflops`, by default from /proc/cpuinfo: two FMA units of the widest vector per core and cycle at
 the nominal clock, in float32, the precision the model trains in).
 """
@@ -49,16 +52,17 @@ from inflight.rollouts.episodes import run_scripted_episode
 from inflight.types import TrainSample
 
 
-def make_batch(chat: ChatFormat, size: int, seed: int) -> list[TrainSample]:
-    """`size` BlackJack episodes of random legal play as RL samples (advantage +-1, behaviour logprobs
-    of a near-uniform two-way choice: ratios near 1, as on policy)."""
+def make_batch(chat: ChatFormat, size: int, seed: int, group_size: int = 8) -> list[TrainSample]:
+    """`size` BlackJack episodes of random legal play as RL samples, `group_size` of each hand (advantage
+    +-1, behaviour logprobs of a near-uniform two-way choice: ratios near 1, as on policy)."""
     rng = random.Random(seed)
     env = BlackJackEnv()
     samples = []
+    hand = 0
     for i in range(size):
-        rollout = run_scripted_episode(
-            env, rng.getrandbits(62), lambda obs: str(rng.choice(obs.legal_actions)), chat, 8
-        )
+        if i % group_size == 0:
+            hand = rng.getrandbits(62)
+        rollout = run_scripted_episode(env, hand, lambda obs: str(rng.choice(obs.legal_actions)), chat, 8)
         sample = TrainSample.from_rollout(rollout, advantage=1.0 if i % 2 else -1.0)
         sample.behaviour_logprobs = [-0.7 * m for m in sample.loss_mask]
         samples.append(sample)
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer = load_policy(cfg)
     chat = ChatFormat.for_model(tokenizer, model)
     pad = pad_id(tokenizer)
-    batch = make_batch(chat, args.samples, seed=0)
+    batch = make_batch(chat, args.samples, seed=0, group_size=cfg.grpo.group_size)
     tokens = sum(len(s.token_ids) for s in batch)
     baseline_model = copy.deepcopy(model)
     trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
@@ -190,7 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
     # reference's forward, over every matmul parameter (the embedding is a lookup; the LM head counts in
     # full, although the trainer runs it only at trained positions), attention's own FLOPs left out.
     matmul_params = params - model.get_input_embeddings().weight.numel()
-    flops = (6 + (2 if cfg.trainer.loss.kl_coef > 0 else 0)) * matmul_params * tokens
+    forward_tokens = int(trainer.forward_backward(batch)["forward_tokens"])
+    trainer.optimizer.zero_grad(set_to_none=True)
+    flops = (6 + (2 if cfg.trainer.loss.kl_coef > 0 else 0)) * matmul_params * forward_tokens
     peak = args.peak_gflops or peak_gflops()
     result = {
         "benchmark": "train",
@@ -205,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_gflops": round(peak, 1),
         "autocast_bf16": trainer._bf16,
         "packing": trainer.packing,
+        "share_prefixes": trainer.share_prefixes,
+        "forward_tokens": forward_tokens,
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "(unset)",
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT") or "(libgomp default)",

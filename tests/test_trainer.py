@@ -13,11 +13,42 @@ import torch
 
 from inflight.models import load_model
 from inflight.trainer import LossConfig, MicroBatch, Trainer, TrainerConfig
+from inflight.trainer.batch_layout import packing_is_exact, sampled_by, shared_prefixes_are_exact
 from inflight.trainer.checkpoint import load_checkpoint, save_checkpoint
 from inflight.trainer.config import lr_at
-from inflight.trainer.micro_batches import group_by_total_tokens, pack_rows
-from inflight.trainer.trainer import packing_is_exact, sampled_by, through_last_trained
+from inflight.trainer.micro_batches import group_by_total_tokens, pack_rows, shared_prefix_groups
+from inflight.trainer.trainer import through_last_trained
 from inflight.types import TrainSample
+
+
+def make_grouped_samples(prompts: int, group: int, vocab: int, seed: int = 0) -> list[TrainSample]:
+    """GRPO-shaped samples: `group` samples of each of `prompts` prompts (each sharing its prompt and a
+    chat header with every other), replies and environment tokens after it; plus a sample identical to
+    another (their common prefix covers trained tokens) and one that is a prefix of another."""
+    rng = random.Random(seed)
+    header = [rng.randrange(vocab) for _ in range(3)]
+    samples = []
+    for _ in range(prompts):
+        prompt = header + [rng.randrange(vocab) for _ in range(rng.randint(4, 12))]
+        for _ in range(group):
+            tail = [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]
+            trained = [0.0] * len(prompt) + [1.0 if t % 3 else 0.0 for t in range(len(tail))]
+            trained[len(prompt)] = 1.0
+            samples.append(
+                TrainSample(
+                    token_ids=prompt + tail,
+                    loss_mask=trained,
+                    behaviour_logprobs=[-rng.uniform(0.5, 5.0) * m for m in trained],
+                    advantages=[rng.uniform(-1, 1) * m for m in trained],
+                    versions=[0 if m else -1 for m in trained],
+                )
+            )
+    twin = samples[1]
+    samples.append(TrainSample(**{k: list(v) for k, v in vars(twin).items()}))
+    longer = samples[2]
+    cut = len(longer.token_ids) - 1  # the same tokens but the last: a prefix of `longer`
+    samples.append(TrainSample(**{k: list(v)[:cut] for k, v in vars(longer).items()}))
+    return samples
 
 
 def make_samples(n: int, vocab: int, seed: int = 0) -> list[TrainSample]:
@@ -267,6 +298,121 @@ def test_packing_gives_the_gradients_of_padding(tiny_model_dir: Path, lora_rank:
         torch.testing.assert_close(packed[name], padded[name], rtol=1e-4, atol=1e-6, msg=name)
     for key in ("loss", "entropy", "kl", "logprob_diff_mean_abs"):
         assert packed_metrics[key] == pytest.approx(padded_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_samples_that_begin_alike_are_grouped_to_share_their_prefix() -> None:
+    samples = make_grouped_samples(prompts=3, group=4, vocab=50, seed=6)
+    seqs = [s.token_ids[:-1] for s in samples]
+    groups = shared_prefix_groups(seqs, max_tokens=1000)
+    assert sorted(i for g in groups for i in g.members) == list(range(len(seqs)))
+    for g in groups:
+        first = seqs[g.members[0]]
+        assert all(seqs[i][: g.shared] == first[: g.shared] for i in g.members)
+    by_prompt = sorted(sorted(g.members) for g in groups)
+    assert by_prompt[0][:4] == [0, 1, 2, 3] and len(groups) == 3  # one group per prompt, not per header
+    # The layout's budget splits a group rather than exceed it.
+    tight = shared_prefix_groups(seqs, max_tokens=30)
+    assert all(g.laid_out_length([len(x) for x in seqs]) <= 30 or len(g.members) == 1 for g in tight)
+    assert len(tight) > len(groups)
+
+
+def test_collate_lays_a_shared_prefix_out_once() -> None:
+    samples = make_grouped_samples(prompts=3, group=4, vocab=50, seed=7)
+    plain = MicroBatch.collate(samples, pack=True)
+    mb = MicroBatch.collate(samples, pack=True, share_prefixes=True)
+    assert mb.packed_ids is not None and mb.packed_positions is not None and mb.packed_flat is not None
+    assert mb.packed_mask is not None and plain.packed_mask is None
+    assert mb.forward_tokens < plain.forward_tokens == sum(len(s.token_ids) - 1 for s in samples)
+    flat_ids, flat_pos = mb.packed_ids.view(-1), mb.packed_positions.view(-1)
+    for b, s in enumerate(samples):
+        n = len(s.token_ids) - 1
+        index = mb.packed_flat[b, :n]
+        assert flat_ids[index].tolist() == s.token_ids[:-1]
+        assert flat_pos[index].tolist() == list(range(n))
+        # Each token sees exactly the tokens of its own sample before it (and itself).
+        width = mb.packed_ids.shape[1]
+        for t in range(n):
+            row, col = divmod(int(index[t]), width)
+            seen = mb.packed_mask[row, 0, col].nonzero().view(-1) + row * width
+            assert sorted(seen.tolist()) == sorted(index[: t + 1].tolist())
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean"])
+def test_shared_prefixes_give_the_gradients_of_padding(
+    tiny_model_dir: Path, lora_rank: int, reduction: str
+) -> None:
+    """PPO, the top-k entropy bonus and the exact KL to the reference over shared-prefix rows against
+    right-padded ones: GRPO groups, a duplicated sample and a sample that is another's prefix."""
+    samples = make_grouped_samples(prompts=3, group=4, vocab=2048, seed=8)
+    loss = LossConfig(
+        name="ppo",
+        reduction=reduction,  # type: ignore[arg-type]
+        entropy_coef=0.1,
+        entropy_top_k=3,
+        kl_coef=0.1,
+        kl_estimator="exact_ref",
+    )
+
+    def run(packing: bool, share: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        config = TrainerConfig(loss=loss, packing=packing, share_prefixes=share, lora_rank=lora_rank)
+        trainer = Trainer(load_model(tiny_model_dir), config)
+        assert trainer.share_prefixes is share
+        if lora_rank:  # a fresh adapter has B = 0: give B values so that A gets a gradient too
+            with torch.no_grad():
+                for p in trainer.policy.parameters()[1::2]:
+                    p.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
+        metrics = trainer.forward_backward(samples)
+        params = trainer.policy.parameters()
+        return metrics, {str(i): p.grad.clone() for i, p in enumerate(params) if p.grad is not None}
+
+    padded_metrics, padded = run(packing=False, share=False)
+    shared_metrics, shared = run(packing=True, share=True)
+    assert padded.keys() == shared.keys() and padded
+    assert sum(float(g.abs().sum()) for g in padded.values()) > 0
+    for name in padded:
+        torch.testing.assert_close(shared[name], padded[name], rtol=1e-4, atol=1e-6, msg=name)
+    for key in ("loss", "entropy", "kl", "logprob_diff_mean_abs"):
+        assert shared_metrics[key] == pytest.approx(padded_metrics[key], rel=1e-4, abs=1e-6), key
+    assert shared_metrics["forward_tokens"] < 0.6 * padded_metrics["forward_tokens"]
+
+
+class _IgnoresAttentionMasks(torch.nn.Module):
+    """A causal LM that separates sequences only where positions restart at 0 (each token's logits: the
+    running mean of the embeddings since the last position 0) and ignores any attention mask: packing
+    works, shared prefixes do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": 11})()
+        self.embed = torch.nn.Embedding(11, 11)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **_: object
+    ) -> object:
+        positions = torch.arange(input_ids.shape[1])[None] if position_ids is None else position_ids
+        h = self.embed(input_ids)
+        out = torch.zeros_like(h)
+        for row in range(h.shape[0]):
+            total, count = torch.zeros(h.shape[-1]), 0
+            for t in range(h.shape[1]):
+                if positions[row, t] == 0:
+                    total, count = torch.zeros(h.shape[-1]), 0
+                total, count = total + h[row, t], count + 1
+                out[row, t] = total / count
+        return type("Out", (), {"logits": out})()
+
+
+def test_a_model_that_ignores_attention_masks_packs_without_sharing() -> None:
+    model = _IgnoresAttentionMasks()
+    assert packing_is_exact(model, torch.device("cpu"))
+    with pytest.warns(UserWarning, match="packs without sharing prefixes"):
+        assert not shared_prefixes_are_exact(model, torch.device("cpu"))
+
+
+def test_the_tiny_model_honours_shared_prefixes(tiny_model_dir: Path) -> None:
+    assert shared_prefixes_are_exact(load_model(tiny_model_dir), torch.device("cpu"))
 
 
 class _MixesPackedSequences(torch.nn.Module):

@@ -92,6 +92,10 @@ class TrainerConfig(BaseModel):
     # padded forward of the model (falls back to padding, with a warning, where a model does not honour
     # it); false: right-padded rows, similar lengths together.
     packing: bool = True
+    # Packed, samples that begin alike (a GRPO group's, which share their prompt) as one copy of the common
+    # prefix and a branch each, under a 4D attention mask: exact, and `make run`'s batch is a quarter of
+    # the tokens. Checked once against separate forwards (falls back to plain packing, with a warning).
+    share_prefixes: bool = True
     # Recompute each layer's activations in the backward pass (HF's, non-reentrant): activation memory
     # of one layer instead of all, for about one more forward pass of compute.
     gradient_checkpointing: bool = False

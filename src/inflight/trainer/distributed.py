@@ -220,7 +220,12 @@ class DataParallelTrainer(Trainer):
     def _merged(self, partial: PartialMetrics) -> PartialMetrics:
         """Every rank's partial metrics merged in rank order (the same result on every rank)."""
         ratios = [torch.cat(partial.log_ratios).cpu()] if partial.log_ratios else []
-        local = PartialMetrics(sums=partial.sums, extrema=partial.extrema, log_ratios=ratios)
+        local = PartialMetrics(
+            sums=partial.sums,
+            extrema=partial.extrema,
+            log_ratios=ratios,
+            forward_tokens=partial.forward_tokens,
+        )
         gathered: list[PartialMetrics | None] = [None] * self.world_size
         dist.all_gather_object(gathered, local, group=self.group)
         merged = PartialMetrics()

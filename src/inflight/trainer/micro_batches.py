@@ -2,12 +2,15 @@
 shares by tokens: one rule for every trainer path.
 
 A micro-batch's cost (activations, compute) grows with rows x longest row, padding included, so that is
-what the budget bounds. Knows nothing of models or losses: it sees lengths and returns row indices.
+what the budget bounds; packed, their sum. And which sequences share a prefix (`shared_prefix_groups`),
+laid out once for all of them. Knows nothing of models or losses: it sees lengths (and, for prefixes,
+tokens) and returns indices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def pack_by_tokens(
@@ -61,18 +64,22 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def group_by_total_tokens(
-    lengths: Sequence[int], max_tokens: int | None, max_sequences: int | None = None
+    lengths: Sequence[int],
+    max_tokens: int | None,
+    max_sequences: int | None = None,
+    order: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    """Indices grouped (longest first) so that each group's lengths sum to at most `max_tokens` and it
-    holds at most `max_sequences` (None: no bound); a sequence longer than `max_tokens` goes alone. The
-    micro-batches of packed training, whose cost grows with the tokens, not with the longest sequence."""
+    """Indices grouped (longest first, or in `order`) so that each group's lengths sum to at most
+    `max_tokens` and it holds at most `max_sequences` (None: no bound); a sequence longer than `max_tokens`
+    goes alone. The micro-batches of packed training, whose cost grows with the tokens, not with the
+    longest sequence; `order` keeps neighbours together (sequences that share a prefix)."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if max_sequences is not None and max_sequences < 1:
         raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
     groups: list[list[int]] = []
     total = 0
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]) if order is None else order:
         if groups:
             fits_tokens = max_tokens is None or total + lengths[i] <= max_tokens
             fits_count = max_sequences is None or len(groups[-1]) < max_sequences
@@ -83,6 +90,59 @@ def group_by_total_tokens(
         groups.append([i])
         total = lengths[i]
     return groups
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Sequences that begin with the same `shared` tokens, laid out as that prefix once and then each
+    member's own continuation (its branch). A group of one has `shared` = its length: no branch."""
+
+    members: tuple[int, ...]
+    shared: int
+
+    def laid_out_length(self, lengths: Sequence[int]) -> int:
+        return self.shared + sum(lengths[i] - self.shared for i in self.members)
+
+
+def lexicographic_order(seqs: Sequence[Sequence[int]]) -> list[int]:
+    """Indices of `seqs` in lexicographic order of their tokens: sequences that share a prefix adjacent,
+    and the prefix every run of them shares is the least of its neighbours' common prefixes."""
+    return sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
+
+
+def shared_prefix_groups(seqs: Sequence[Sequence[int]], max_tokens: int) -> list[PrefixGroup]:
+    """Every index of `seqs` in one group, the members of a group sharing their first `shared` tokens.
+
+    Greedy over the lexicographic order: the next sequence joins the current group when the group then
+    saves more tokens (k members sharing s tokens save (k-1)s) and stays within `max_tokens` laid out;
+    else it starts a group. A GRPO group's samples, which share their prompt, end up together, and
+    samples of different prompts that share only a few tokens (a chat header) do not drag a group's
+    prefix down to those.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lengths = [len(s) for s in seqs]
+    groups: list[PrefixGroup] = []
+    for i in lexicographic_order(seqs):
+        if groups:
+            last = groups[-1]
+            shared = min(last.shared, _common_prefix(seqs[last.members[-1]], seqs[i]))
+            merged = PrefixGroup(members=(*last.members, i), shared=shared)
+            saves_more = len(last.members) * shared > (len(last.members) - 1) * last.shared
+            if saves_more and merged.laid_out_length(lengths) <= max_tokens:
+                groups[-1] = merged
+                continue
+        groups.append(PrefixGroup(members=(i,), shared=lengths[i]))
+    return groups
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def shard_by_tokens(lengths: Sequence[int], num_shards: int) -> list[list[int]]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from inflight.errors import UserError, describe
+from inflight.errors import UserError
 from inflight.losses import (
     KL_ESTIMATORS,
     LOSSES,
@@ -31,113 +30,13 @@ from inflight.losses import (
 from inflight.losses.importance import to_floats
 from inflight.models.device import resolve_device
 from inflight.models.loader import native_bfloat16
+from inflight.trainer.batch_layout import MicroBatch, packing_is_exact, shared_prefixes_are_exact
 from inflight.trainer.config import TrainerConfig, lr_at
 from inflight.trainer.lora_policy import LoraPolicy
-from inflight.trainer.micro_batches import group_by_total_tokens, pack_by_tokens, pack_rows
+from inflight.trainer.micro_batches import group_by_total_tokens, lexicographic_order, pack_by_tokens
 from inflight.trainer.policy import FullPolicy, Policy
 from inflight.trainer.types import LoraSpec, OptimStep
 from inflight.types import AdapterUpdate, TrainSample
-
-
-@dataclass
-class MicroBatch:
-    """One forward/backward's tensors. The loss's are per sample, right-padded [B, T]: position t holds the
-    target token t+1 of sample b. The forward pass's are either the same padded rows (`input_ids`,
-    `attention_mask`) or, packed, the samples laid end to end in rows without padding (`packed_ids`,
-    `packed_positions`), `packed_flat` saying where each (b, t) landed."""
-
-    input_ids: torch.Tensor  # [B, T] tokens 0..T-1 of each sample (padded)
-    attention_mask: torch.Tensor  # [B, T] 1 for real tokens
-    targets: torch.Tensor  # [B, T] token t+1 (0 where padded)
-    mask: torch.Tensor  # [B, T] loss weight of target t+1
-    behaviour_logprobs: torch.Tensor  # [B, T]
-    advantages: torch.Tensor  # [B, T]
-    # [B, T] bool: target t+1 was sampled by weights of version `current_version` on a prefix those same
-    # weights computed (its whole reply was); there, engine and trainer logprobs must agree exactly.
-    current: torch.Tensor
-    packed_ids: torch.Tensor | None = None  # [R, L] the samples' input tokens end to end, 0-padded at the end
-    packed_positions: torch.Tensor | None = None  # [R, L] each token's position in its own sample
-    packed_flat: torch.Tensor | None = None  # [B, T] index of input token (b, t) in packed_ids.view(-1)
-
-    @property
-    def rows(self) -> int:
-        """Rows of the forward pass (packed rows when packed)."""
-        ids = self.packed_ids if self.packed_ids is not None else self.input_ids
-        return int(ids.shape[0])
-
-    def to(self, device: torch.device) -> MicroBatch:
-        """The same tensors on `device` (collated on the CPU, then one copy each)."""
-        fields: dict[str, torch.Tensor | None] = {
-            name: getattr(self, name) for name in self.__dataclass_fields__
-        }
-        return MicroBatch(
-            **{name: t if t is None else t.to(device, non_blocking=True) for name, t in fields.items()}  # type: ignore[arg-type]
-        )
-
-    def forward_inputs(self) -> dict[str, torch.Tensor | bool | None]:
-        """Keyword arguments of a Hugging Face forward over this micro-batch. Packed: no attention mask, so
-        that the model finds each sample from the restarting positions (transformers' packed-sequence
-        masking)."""
-        if self.packed_ids is not None:
-            return {"input_ids": self.packed_ids, "position_ids": self.packed_positions, "use_cache": False}
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "use_cache": False}
-
-    def select(self, out: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """[N, D] rows of a forward output [rows, L, D] at the (b, t) positions `where`."""
-        rows, cols = where
-        if self.packed_flat is None:
-            return out[rows, cols]
-        return out.reshape(-1, out.shape[-1])[self.packed_flat[rows, cols]]
-
-    @classmethod
-    def collate(
-        cls,
-        samples: Sequence[TrainSample],
-        pad_id: int = 0,
-        current_version: int | None = None,
-        pack: bool = False,
-    ) -> MicroBatch:
-        width = max(len(s.token_ids) for s in samples) - 1
-        if width < 1:
-            raise ValueError("every TrainSample needs at least 2 tokens (a context and a target)")
-
-        def pad(rows: Sequence[Sequence[float]], dtype: torch.dtype, value: float = 0) -> torch.Tensor:
-            out = torch.full((len(rows), width), value, dtype=dtype)
-            for i, row in enumerate(rows):
-                out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-            return out
-
-        inputs = [s.token_ids[:-1] for s in samples]
-        packed = {}
-        if pack:
-            lengths = [len(ids) for ids in inputs]
-            rows = pack_rows(lengths, capacity=width)
-            packed_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-            # Each row's unused tail counts up from 0 too: a sequence of its own, attending to nothing real.
-            positions = torch.arange(width).repeat(len(rows), 1)
-            flat = torch.zeros((len(samples), width), dtype=torch.long)
-            for r, members in enumerate(rows):
-                start = 0
-                for i in members:
-                    n = lengths[i]
-                    packed_ids[r, start : start + n] = torch.tensor(inputs[i])
-                    positions[r, start : start + n] = torch.arange(n)
-                    flat[i, :n] = torch.arange(r * width + start, r * width + start + n)
-                    start += n
-                positions[r, start:] = torch.arange(width - start)
-            packed = {"packed_ids": packed_ids, "packed_positions": positions, "packed_flat": flat}
-        return cls(
-            input_ids=pad(inputs, torch.long, pad_id),
-            attention_mask=pad([[1] * (len(s.token_ids) - 1) for s in samples], torch.long),
-            targets=pad([s.token_ids[1:] for s in samples], torch.long),
-            mask=pad([s.loss_mask[1:] for s in samples], torch.float32),
-            behaviour_logprobs=pad([s.behaviour_logprobs[1:] for s in samples], torch.float32),
-            advantages=pad([s.advantages[1:] for s in samples], torch.float32),
-            current=pad(
-                [sampled_by(s.versions, s.loss_mask, current_version)[1:] for s in samples], torch.bool
-            ),
-            **packed,
-        )
 
 
 @dataclass(frozen=True)
@@ -168,6 +67,7 @@ class PartialMetrics:
     sums: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     extrema: dict[str, float] = field(default_factory=dict)  # *_min keys keep the least, others the most
     log_ratios: list[torch.Tensor] = field(default_factory=list)  # [N] lp - q of each micro-batch
+    forward_tokens: int = 0  # tokens the forward passes computed (a shared prefix once)
 
     def add_extremum(self, key: str, value: float) -> None:
         old = self.extrema.get(key, value)
@@ -179,6 +79,7 @@ class PartialMetrics:
         for key, value in other.extrema.items():
             self.add_extremum(key, value)
         self.log_ratios.extend(other.log_ratios)
+        self.forward_tokens += other.forward_tokens
 
 
 def through_last_trained(sample: TrainSample) -> TrainSample:
@@ -196,64 +97,6 @@ def through_last_trained(sample: TrainSample) -> TrainSample:
         advantages=sample.advantages[:end],
         versions=sample.versions[:end],
     )
-
-
-def sampled_by(versions: Sequence[int], loss_mask: Sequence[float], version: int | None) -> list[bool]:
-    """Per token: trained, and its reply (a run of trained tokens) was sampled by `version` throughout.
-
-    A reply starts with a prefill and its first token in one engine step, so an update between its
-    tokens is the only way its KV prefix can come from other weights (`kv_policy=keep`); a reply all of
-    one version has none. Multi-turn prompts are re-prefilled every turn.
-    """
-    out = [False] * len(versions)
-    start = 0
-    while start < len(versions):
-        if not loss_mask[start]:
-            start += 1
-            continue
-        end = start
-        while end < len(versions) and loss_mask[end]:
-            end += 1
-        if version is not None and all(v == version for v in versions[start:end]):
-            out[start:end] = [True] * (end - start)
-        start = end
-    return out
-
-
-def packing_is_exact(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether `model` keeps packed sequences apart: two short sequences in one row (positions restarting,
-    no attention mask) give the logits each gives alone. Warns (and the trainer pads) where they do not,
-    e.g. a model whose attention ignores `position_ids`."""
-    lengths = (5, 7)
-    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 2)
-    generator = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(1, vocab, (n,), generator=generator).to(device) for n in lengths]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            alone = [model(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs]
-            positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-            packed = model(input_ids=torch.cat(seqs)[None], position_ids=positions, use_cache=False)
-            together = packed.logits[0].float().split(list(lengths))
-    except Exception as e:  # a model whose forward takes no position_ids
-        warnings.warn(
-            f"{type(model).__name__} cannot run packed sequences ({describe(e)}): padding", stacklevel=2
-        )
-        return False
-    finally:
-        model.train(was_training)
-    exact = all(
-        torch.allclose(a, b, rtol=1e-3, atol=1e-3 * float(a.abs().max()))
-        for a, b in zip(alone, together, strict=True)
-    )
-    if not exact:
-        warnings.warn(
-            f"{type(model).__name__} mixes packed sequences (its attention does not restart at position 0): "
-            "training pads instead (trainer.packing=false silences this)",
-            stacklevel=2,
-        )
-    return exact
 
 
 class Trainer:
@@ -274,6 +117,9 @@ class Trainer:
         )
         model.to(self.device)
         self.packing = config.packing and packing_is_exact(model, self.device)
+        self.share_prefixes = (
+            self.packing and config.share_prefixes and shared_prefixes_are_exact(model, self.device)
+        )
         if config.gradient_checkpointing:
             if not getattr(model, "supports_gradient_checkpointing", False):
                 raise UserError(
@@ -325,7 +171,9 @@ class Trainer:
         lengths = [len(s.token_ids) - 1 for s in samples]
         cfg = self.config
         if self.packing:
-            groups = group_by_total_tokens(lengths, cfg.micro_batch_tokens, cfg.micro_batch_size)
+            # Sharing prefixes: neighbours in token order, so that the samples of one prompt meet.
+            order = lexicographic_order([s.token_ids for s in samples]) if self.share_prefixes else None
+            groups = group_by_total_tokens(lengths, cfg.micro_batch_tokens, cfg.micro_batch_size, order)
         else:
             groups = pack_by_tokens(lengths, cfg.micro_batch_tokens, cfg.micro_batch_size)
         return [[samples[i] for i in group] for group in groups]
@@ -385,7 +233,10 @@ class Trainer:
 
         # The sums use the step's global denominators, so the grouping does not change the result.
         for group in self._micro_batches([through_last_trained(s) for s in samples]):
-            cpu_mb = MicroBatch.collate(group, self.pad_id, self.version, pack=self.packing)
+            cpu_mb = MicroBatch.collate(
+                group, self.pad_id, self.version, pack=self.packing, share_prefixes=self.share_prefixes
+            )
+            partial.forward_tokens += cpu_mb.forward_tokens
             mb_tokens = float(cpu_mb.mask.sum())
             # Found on the CPU, where the batch was built: no wait for the device.
             where_cpu = cpu_mb.mask.nonzero(as_tuple=True)
@@ -463,6 +314,7 @@ class Trainer:
             "loss": sums.pop("loss", 0.0),
             "num_tokens": counts.num_tokens,
             "num_samples": counts.num_samples,
+            "forward_tokens": float(partial.forward_tokens),
         }
         for key, value in sums.items():
             metrics[key] = value / max(counts.num_tokens, 1.0)
