@@ -181,6 +181,29 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(model) -> None:
     assert engine_for(model).generate([other_seed])[0].token_ids != alone
 
 
+@pytest.mark.parametrize("runner", ["fast", "hf"])
+def test_a_prompt_admitted_several_times_is_prefilled_once(model, runner: str) -> None:
+    """A GRPO group: the same prompt 4 times (each its own seed) between other prompts, in one step. The
+    copies' K/V come from one prefill; every completion equals the one its request gets alone."""
+    group, others = prompts([9])[0], prompts([5, 12], seed=3)
+    requests = [SampleRequest(others[0], SamplingParams(max_tokens=6, seed=7))]
+    requests += [SampleRequest(group, SamplingParams(max_tokens=6, seed=s)) for s in range(4)]
+    requests += [SampleRequest(others[1], SamplingParams(max_tokens=6, seed=8))]
+
+    def engine() -> BuiltinEngine:
+        config = BuiltinEngineConfig(max_batch_size=8, max_seq_len_tokens=64, runner=runner)  # type: ignore[arg-type]
+        return BuiltinEngine(model, config=config)
+
+    alone = [engine().generate([copy.deepcopy(r)])[0] for r in requests]
+    shared = engine()
+    together = shared.generate(requests)
+    assert shared.metrics().prompt_tokens_shared == 3 * len(group)
+    assert len({tuple(c.token_ids) for c in together[1:5]}) > 1  # the seeds differ, so do the samples
+    for got, ref in zip(together, alone, strict=True):
+        assert got.token_ids == ref.token_ids
+        assert max_diff(got.logprobs, ref.logprobs) < 1e-5
+
+
 def test_continuous_batching_matches_one_at_a_time(model) -> None:
     specs = [(3, 10), (12, 4), (7, 15), (1, 6), (25, 9), (5, 12)]  # (prompt tokens, max_tokens)
     requests = [

@@ -146,6 +146,9 @@ class EngineMetrics:
     adapter_updates_applied: int  # replacements installed at a step boundary
     adapters_registered: int
     recent_updates: tuple[UpdateRecord, ...]  # the latest ones, oldest first
+    # Prompt tokens not prefilled because a request admitted in the same step had the same prompt and
+    # adapter (a GRPO group's samples): its K/V were copied instead.
+    prompt_tokens_shared: int = 0
 
     @property
     def stale_kv_token_frac(self) -> float:
@@ -179,6 +182,7 @@ class _Counters:
     prefill_failures: int = 0  # requests finished because their own prefill raised
     adapter_updates_received: int = 0
     adapter_updates_applied: int = 0
+    prompt_tokens_shared: int = 0
 
 
 class BuiltinEngine:
@@ -518,7 +522,43 @@ class BuiltinEngine:
             seq.topk_logprobs.append(pairs)
 
     def _prefill(self, row0: int, row1: int, adapters: list[Any]) -> list[Tensor]:
-        """Prefill the newcomers in rows row0..row1-1; their last-position logits, one [V] per row."""
+        """Prefill the newcomers in rows row0..row1-1; their last-position logits, one [V] per row.
+
+        Newcomers with the same prompt and adapter (a GRPO group's samples, admitted together) are
+        prefilled once: the rows are reordered (in `self._running` and `adapters` alike) so that the first
+        of each prompt comes first, and the others get a copy of its K/V and its logits. Requests that
+        ask for prompt outputs are prefilled on their own."""
+        new = self._running[row0:row1]
+        first: dict[tuple, int] = {}
+        leaders: list[int] = []
+        copies: list[tuple[int, int]] = []  # (index in new, index of its leader in new)
+        for i, s in enumerate(new):
+            alone = i if s.wants_prompt_logits else -1  # prompt outputs come from a request's own pass
+            key = (tuple(s.request.prompt_token_ids), id(adapters[row0 + i]), alone)
+            leader = first.setdefault(key, i)
+            if leader == i:
+                leaders.append(i)
+            else:
+                copies.append((i, leader))
+        if not copies:
+            return self._prefill_rows(row0, row1, adapters)
+        order = leaders + [i for i, _ in copies]
+        self._running[row0:row1] = [new[i] for i in order]
+        adapters[row0:row1] = [adapters[row0 + i] for i in order]
+        last = self._prefill_rows(row0, row0 + len(leaders), adapters)
+        row_of = {i: row0 + k for k, i in enumerate(order)}
+        for i, leader in copies:
+            length = len(new[i].request.prompt_token_ids)
+            self._runner.move_row(row_of[leader], row_of[i], length)
+            new[i].num_cached = length
+            last.append(last[row_of[leader] - row0])
+        with self._lock:
+            self._counters.prompt_tokens_shared += sum(
+                len(new[i].request.prompt_token_ids) for i, _ in copies
+            )
+        return last
+
+    def _prefill_rows(self, row0: int, row1: int, adapters: list[Any]) -> list[Tensor]:
         new = self._running[row0:row1]
         wanted = [i for i, s in enumerate(new) if s.wants_prompt_logits]
         last, full = self._runner.prefill(
