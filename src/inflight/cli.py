@@ -42,10 +42,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 value = value[part]  # type: ignore[index]
             print(f"{key}={json.dumps(value)}")
         return 0
-    from inflight.orchestrator.run import run
     from inflight.preflight import check_run
 
     check_run(cfg, task.name, task.env)
+    if cfg.launcher == "ray":  # the same run, its engine replicas and trainer placed on a Ray cluster
+        from inflight.launch.ray import run_on_ray
+
+        print(json.dumps(run_on_ray(cfg, args.target)))
+        return 0
+    from inflight.orchestrator.run import run
+
     print(json.dumps(run(cfg, task)))
     return 0
 
@@ -150,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train on a task, e.g. `inflight run blackjack grpo.steps=100 trainer.lr=3e-4` or "
         "`inflight run examples/letter_count.py`. Overrides are dotted config keys (see --list-keys). Runs "
         "the asynchronous pipeline by default (mode=async); mode=sync runs the on-policy reference loop. "
+        "launcher=ray places its engine replicas and trainer on a Ray cluster (ray.address, "
+        "ray.num_engine_replicas; needs `pip install 'inflight[ray]'`). "
         "A run directory with a checkpoint is resumed. Prints one JSON summary line at the end. Writing a "
         "task: docs/bring-your-own-task.md.",
     )

@@ -119,10 +119,35 @@ class PipelineConfig(_Config):
     torch_threads: int = 1  # per stage: the engine thread and the trainer thread each get a core
 
 
+class RayConfig(_Config):
+    """`launcher=ray` (`launch/ray.py`): which cluster, and what its placement group reserves."""
+
+    # None = start a private local Ray with this machine's CPUs for the run; "auto" = the cluster this machine
+    # joined (`ray start`); "HOST:PORT" = a cluster's head (its GCS port, 6379 by default).
+    address: str | None = None
+    num_engine_replicas: int = Field(default=1, ge=1)  # engine actors, each serving HTTP; a GPU each on cuda
+    engine_cpus: float = Field(default=1.0, gt=0)  # per replica's bundle
+    trainer_cpus: float = Field(default=1.0, gt=0)  # the bundle of the trainer and the rollout loop
+    # GPUs per bundle where engine.device / trainer.device is cuda (or auto on a cluster with GPUs); a
+    # fraction lets replicas or the trainer share one GPU.
+    engine_gpus: float = Field(default=1.0, gt=0)
+    trainer_gpus: float = Field(default=1.0, gt=0)
+    # PACK: as few nodes as possible; SPREAD: across nodes; STRICT_*: must (Ray's placement strategies).
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    max_replica_restarts: int = Field(default=3, ge=-1)  # Ray restarts a replica that died; -1 = always
+    connect_timeout_s: float = Field(default=30.0, gt=0)  # reaching ray.address
+    # The placement group's bundles, then each replica's model load and first /health answer.
+    placement_timeout_s: float = Field(default=120.0, gt=0)
+    replica_start_timeout_s: float = Field(default=600.0, gt=0)
+
+
 class RunConfig(_Config):
     recipe: str = "blackjack"  # the run's name: the TARGET's (a recipe name, a file's stem, a module's)
     # async: the pipeline (orchestrator/pipeline.py); sync: the on-policy reference loop (sync_loop.py).
     mode: Literal["sync", "async"] = "async"
+    # local: this process (engine and trainer threads); ray: engine replicas and the trainer placed on a Ray
+    # cluster by `launch/ray.py`, configured by `ray.*` (needs `pip install 'inflight[ray]'`).
+    launcher: Literal["local", "ray"] = "local"
     run_dir: str | None = None  # None = runs/<recipe>-<timestamp>
     seed: int = 0
     checkpoint_every_steps: int = 0  # 0 = only at the end
@@ -138,6 +163,7 @@ class RunConfig(_Config):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)  # TensorBoard, W&B, samples, console
+    ray: RayConfig = Field(default_factory=RayConfig)  # read only with launcher=ray
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -145,6 +171,10 @@ class RunConfig(_Config):
             raise ValueError(
                 f"sampling.temperature={self.sampling.temperature} but trainer.temperature="
                 f"{self.trainer.temperature}: set both to one value so trainer and sampler logprobs agree"
+            )
+        if self.launcher == "ray" and self.mode != "async":
+            raise ValueError(
+                "launcher=ray runs the asynchronous pipeline: set mode=async (or launcher=local)"
             )
         return self
 

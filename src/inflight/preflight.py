@@ -268,8 +268,9 @@ def check_run(cfg: RunConfig, env_name: str = "", env_factory: Any = None) -> No
     own Env (named `env_name`), which `cfg.env.name` replaces when set."""
     from inflight.models.device import resolve_device  # torch: only once a run is really starting
 
-    resolve_device(cfg.engine.device, "engine.device")
-    resolve_device(cfg.trainer.device, "trainer.device")
+    if cfg.launcher == "local":  # under Ray the devices are the placed actors', not this machine's
+        resolve_device(cfg.engine.device, "engine.device")
+        resolve_device(cfg.trainer.device, "trainer.device")
     if cfg.model.path:
         check_model_dir(cfg.model.path)
         check_chat_template(cfg.model.path)

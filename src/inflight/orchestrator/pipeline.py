@@ -86,8 +86,16 @@ def _parse(record: bytes) -> tuple[int, RolloutGroup]:
 
 
 class _Pipeline:
-    def __init__(self, parts: LoopParts, cfg: RunConfig, logger: MetricsLogger, run_dir: Path) -> None:
+    def __init__(
+        self,
+        parts: LoopParts,
+        cfg: RunConfig,
+        logger: MetricsLogger,
+        run_dir: Path,
+        launcher_metrics: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
         self.parts, self.cfg, self.logger, self.run_dir = parts, cfg, logger, run_dir
+        self.launcher_metrics = launcher_metrics
         p = cfg.pipeline
         per_step = cfg.grpo.prompts_per_step
         budget = p.active_sampling_max_filtered_batches * per_step or None  # None: filter forever
@@ -288,6 +296,8 @@ class _Pipeline:
                     engine_idle_frac=loop.idle_s / max(loop.idle_s + loop.busy_s, 1e-9),
                 )
                 metrics.update(loop.metrics())  # pause per update, transfer s, stale-KV tokens (or replicas')
+                if self.launcher_metrics is not None:  # e.g. engine replicas restarted (launch/ray.py)
+                    metrics.update(self.launcher_metrics())
                 self.logger.log(step, metrics)
                 self.logger.log_rollout_samples(step, trained, self.parts.chat.tokenizer.decode)  # every N
                 self.history.append(metrics)
@@ -372,10 +382,12 @@ def run_pipeline(
     logger: MetricsLogger,
     run_dir: str | Path,
     evaluate: Callable[[Driver], dict[str, float]] | None = None,
+    launcher_metrics: Callable[[], dict[str, float]] | None = None,
 ) -> list[dict[str, float]]:
     """Train up to cfg.grpo.steps steps (continuing a checkpoint in run_dir); returns this run's metrics.
 
     `evaluate(driver)` (the held-out evaluation) gets a driver into the engine loop (or the replicas),
-    from the trainer's thread while the pipeline runs.
+    from the trainer's thread while the pipeline runs. `launcher_metrics()`: what the launcher counts
+    (replica restarts, say), logged with every step.
     """
-    return _Pipeline(parts, cfg, logger, Path(run_dir)).run(evaluate)
+    return _Pipeline(parts, cfg, logger, Path(run_dir), launcher_metrics).run(evaluate)

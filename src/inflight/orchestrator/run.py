@@ -44,17 +44,24 @@ def train(
     logger: MetricsLogger,
     run_dir: str | Path,
     evaluate: Callable[[Driver], dict[str, float]] | None = None,
+    launcher_metrics: Callable[[], dict[str, float]] | None = None,
 ) -> list[dict[str, float]]:
     """cfg.grpo.steps of GRPO by the sync loop or the pipeline (cfg.mode); returns this call's metrics."""
     if cfg.mode == "sync":
         return train_sync(parts, cfg, logger, str(run_dir), evaluate)
     from inflight.orchestrator.pipeline import run_pipeline
 
-    return run_pipeline(parts, cfg, logger, run_dir, evaluate)
+    return run_pipeline(parts, cfg, logger, run_dir, evaluate, launcher_metrics)
 
 
-def run(cfg: RunConfig, task: Task) -> dict[str, Any]:
-    """Train `task` as `cfg` says; returns the summary (also in RUN_DIR/summary.json)."""
+def run(
+    cfg: RunConfig, task: Task, launcher_metrics: Callable[[], dict[str, float]] | None = None
+) -> dict[str, Any]:
+    """Train `task` as `cfg` says; returns the summary (also in RUN_DIR/summary.json).
+
+    This is the whole run in this process; `launch/ray.py` calls it inside the trainer's actor, with
+    `pipeline.engine_urls` naming the replicas it placed and `launcher_metrics` counting their restarts
+    (logged with every pipeline step)."""
     t0 = time.perf_counter()
     train_problems = load_split(task, "train")
     test_problems = load_split(task, "test") if cfg.eval.num_episodes else []
@@ -89,7 +96,7 @@ def run(cfg: RunConfig, task: Task) -> dict[str, Any]:
             initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
             if initial:
                 logger.log(0, _test_metrics(initial), phase="eval")
-            history = train(parts, cfg, logger, run_dir, during if test_problems else None)
+            history = train(parts, cfg, logger, run_dir, during if test_problems else None, launcher_metrics)
             last_step = first_step + len(history)
             # The trained weights, whichever engine (or inference replica) generated with them.
             publish(parts.engine, trainer)

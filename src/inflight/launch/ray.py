@@ -1,0 +1,352 @@
+"""`inflight run TARGET launcher=ray`: the run of the local launcher, its pieces placed on a Ray cluster.
+
+The only module that imports `ray`, and only once a run asks for it (a CPU install without Ray imports
+inflight, and `--help` stays instant). Knows processes and machines; what a run does is
+`orchestrator/run.py`'s, unchanged. What is placed where is `place()`; a replica that dies is Ray's to
+restart, the pipeline's client's to route around and update, and `ReplicaWatch`'s to count.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inflight.config import RayConfig, RunConfig
+from inflight.errors import UserError, describe
+
+RAY_MISSING = "launcher=ray needs Ray: pip install 'inflight[ray]'"
+WATCH_INTERVAL_S = 1.0  # how often the trainer's actor asks each replica which process serves it
+
+
+def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
+    """Train `target` as `cfg` says, on the cluster `cfg.ray` names; returns the summary (also in
+    RUN_DIR/summary.json), with the same keys as a local run's."""
+    if cfg.pipeline.engine_urls:
+        raise UserError(
+            "launcher=ray starts its own engine replicas (ray.num_engine_replicas): "
+            "unset pipeline.engine_urls"
+        )
+    ray = _import_ray()
+    from inflight.orchestrator.setup import resolve_model
+
+    with _cluster(ray, cfg.ray):
+        # Every actor must find these from its own working directory: absolute paths, the model built once.
+        run_dir = Path(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
+        cfg = cfg.model_copy(deep=True)
+        cfg.run_dir, cfg.model.path = str(run_dir.resolve()), resolve_model(cfg)
+        placement = place(ray, cfg, _portable(target))
+        try:
+            return placement.run()
+        finally:
+            placement.release()
+
+
+@dataclass
+class ReplicaInfo:
+    url: str
+    pid: int
+    node: str  # the node's IP address, as Ray knows it
+
+
+@dataclass
+class Placement:
+    """The placed run: its placement group, the engine replicas (already serving) and the run's actor."""
+
+    ray: Any
+    group: Any
+    replicas: list[Any]
+    infos: list[ReplicaInfo]
+    driver: Any
+    cfg: RunConfig
+    target: str
+
+    def run(self) -> dict[str, Any]:
+        exceptions = self.ray.exceptions
+        try:
+            return self.ray.get(self.driver.run.remote(self.cfg, self.target, self.replicas, self.infos))
+        except exceptions.RayTaskError as e:
+            if isinstance(e.cause, UserError):  # bad input found inside the actor: still one line
+                raise UserError(str(e.cause)) from None
+            raise
+        except exceptions.RayActorError as e:
+            raise UserError(
+                f"the trainer's actor died ({describe(e)}); the run stopped. Run the same command with "
+                f"run_dir={self.cfg.run_dir} to resume from its last checkpoint (checkpoint_every_steps)"
+            ) from None
+
+    def release(self) -> None:
+        """The run's actors and its reservation go; the cluster stays (unless this launcher started it)."""
+        for actor in [self.driver, *self.replicas]:
+            self.ray.kill(actor, no_restart=True)
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+def bundles(cfg: RunConfig, cluster_has_gpus: bool) -> list[dict[str, float]]:
+    """The placement group's bundles: one per engine replica, then the trainer's. A GPU (or the fraction
+    ray.*_gpus) where the component's device is cuda ("auto": where the cluster has GPUs)."""
+    r = cfg.ray
+    engine = {"CPU": r.engine_cpus} | (
+        {"GPU": r.engine_gpus} if _on_gpu(cfg.engine.device, cluster_has_gpus) else {}
+    )
+    trainer = {"CPU": r.trainer_cpus} | (
+        {"GPU": r.trainer_gpus} if _on_gpu(cfg.trainer.device, cluster_has_gpus) else {}
+    )
+    return [engine] * r.num_engine_replicas + [trainer]
+
+
+def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
+    """What runs where, all in one placement group (ray.strategy: PACK by default):
+
+        bundle i < N   engine replica i: an actor serving the engine over HTTP (`inference/server.py`'s app,
+                       as `inflight serve-engine` does), on a port fixed at placement so that a replica Ray
+                       restarts (ray.max_replica_restarts) comes back at the same URL
+        bundle N       the run: the trainer, the rollout loop and the result stream (`orchestrator/run.py`,
+                       one process as in a local run) reaching the replicas through `pipeline.engine_urls`;
+                       weights go to them as files in RUN_DIR/weights (`/update_weights`, `/set_adapter`)
+
+    The rollouts, the stream and the trainer share one process, so the default file stream in the run
+    directory serves any cluster; only the weight files and the model need storage every node can read.
+    """
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    shape = bundles(cfg, has_gpus)
+    group = placement_group(shape, strategy=cfg.ray.strategy)
+    timeout_s = cfg.ray.placement_timeout_s
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(group)
+        raise UserError(
+            f"launcher=ray: the cluster could not hold {shape} ({cfg.ray.strategy}) within "
+            f"ray.placement_timeout_s={timeout_s:g}; it has {ray.available_resources()} free. Lower "
+            "ray.num_engine_replicas, ray.engine_cpus or ray.trainer_cpus, or add nodes"
+        ) from None
+
+    def on_bundle(index: int) -> Any:
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+
+    n = cfg.ray.num_engine_replicas
+    weights_dir = str(Path(cfg.run_dir or ".") / "weights")
+    replica_cls = ray.remote(EngineReplica)
+    replicas = []
+    for i in range(n):
+        gpus = shape[i].get("GPU", 0.0)
+        host, port = ray.get(
+            ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on_bundle(i)).remote()
+        )
+        replicas.append(
+            replica_cls.options(
+                name=f"{Path(cfg.run_dir or '.').name}:engine-{i}",
+                num_cpus=shape[i]["CPU"],
+                num_gpus=gpus,
+                max_restarts=cfg.ray.max_replica_restarts,
+                scheduling_strategy=on_bundle(i),
+            ).remote(_for_actor(cfg, gpus), host, port, weights_dir)
+        )
+    driver = (
+        ray.remote(RunDriver)
+        .options(
+            num_cpus=shape[n]["CPU"], num_gpus=shape[n].get("GPU", 0.0), scheduling_strategy=on_bundle(n)
+        )
+        .remote()
+    )
+    placed = Placement(ray, group, replicas, [], driver, cfg, target)
+    try:
+        placed.infos = ray.get([r.info.remote() for r in replicas], timeout=cfg.ray.replica_start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        placed.release()
+        raise UserError(
+            f"launcher=ray: the engine replicas did not start within ray.replica_start_timeout_s="
+            f"{cfg.ray.replica_start_timeout_s:g} (loading {cfg.model.path})"
+        ) from None
+    except ray.exceptions.RayError as e:
+        placed.release()
+        raise RuntimeError(f"launcher=ray: an engine replica failed to start: {e}") from None
+    placed.cfg = _for_actor(cfg, shape[n].get("GPU", 0.0), engine_urls=[info.url for info in placed.infos])
+    for i, info in enumerate(placed.infos):
+        print(f"inflight: ray: engine replica {i} serves {info.url} (pid {info.pid})", file=sys.stderr)
+    return placed
+
+
+class EngineReplica:
+    """One engine behind HTTP in its own actor: the engine `setup.build_engine` makes from cfg.engine (as
+    the local launcher's), served by `server.create_app` on a `ServerThread`. Ray reruns this constructor
+    when it restarts the actor; the pipeline's client then brings it up to date (weights, adapters)."""
+
+    def __init__(self, cfg: RunConfig, host: str, port: int, weights_dir: str) -> None:
+        import torch
+
+        from inflight.inference.server import EngineServerConfig, ServerThread, create_app
+        from inflight.models import load_tokenizer
+        from inflight.models.chat_template import generation_stop_ids
+        from inflight.orchestrator.setup import build_engine, load_policy
+
+        torch.set_num_threads(max(1, int(cfg.ray.engine_cpus)))
+        model, tokenizer = load_policy(cfg)
+        engine = build_engine(cfg, model, tokenizer)
+        # Requests may read weights only from the run's weights directory.
+        server_cfg = EngineServerConfig(model_name=str(cfg.model.path), weights_dir=weights_dir)
+        app = create_app(engine, load_tokenizer(str(cfg.model.path)), server_cfg, generation_stop_ids(model))
+        self.server = ServerThread(app, host=host, port=port).start()
+        self.node = host
+
+    def info(self) -> ReplicaInfo:
+        return ReplicaInfo(self.server.url, os.getpid(), self.node)
+
+
+class RunDriver:
+    """The run itself, on the trainer's bundle: `orchestrator.run.run` with the replicas as its engine."""
+
+    def run(
+        self, cfg: RunConfig, target: str, replicas: list[Any], infos: list[ReplicaInfo]
+    ) -> dict[str, Any]:
+        from inflight.orchestrator.run import run
+        from inflight.orchestrator.target import resolve_target
+
+        with ReplicaWatch(replicas, infos) as watch:
+            return run(cfg, resolve_target(target), launcher_metrics=watch.metrics)
+
+
+class ReplicaWatch:
+    """Counts engine replica restarts for the metrics: every WATCH_INTERVAL_S it asks each replica actor
+    for its process id; a new one means Ray restarted it. Repairs nothing itself: Ray restarts the actor,
+    and the pipeline's client retries elsewhere meanwhile and brings the restarted replica up to date."""
+
+    def __init__(self, replicas: list[Any], infos: list[ReplicaInfo]) -> None:
+        self._replicas, self._pids = replicas, [info.pid for info in infos]
+        self._pending: list[Any] = [None] * len(replicas)
+        self._up = [True] * len(replicas)
+        self._restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="replica-watch", daemon=True)
+
+    def __enter__(self) -> ReplicaWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def metrics(self) -> dict[str, float]:
+        return {"engine_replica_restarts": float(self._restarts), "engine_replicas_up": float(sum(self._up))}
+
+    def _loop(self) -> None:
+        import ray
+
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            for i, replica in enumerate(self._replicas):
+                if self._pending[i] is None:  # one question at a time: a hung replica does not pile them up
+                    self._pending[i] = replica.info.remote()
+                ready, _ = ray.wait([self._pending[i]], timeout=0.5)
+                if not ready:
+                    continue
+                ref, self._pending[i] = self._pending[i], None
+                try:
+                    pid = ray.get(ref).pid
+                except ray.exceptions.RayError:  # restarting, or dead for good (restarts exhausted)
+                    self._up[i] = False
+                    continue
+                self._up[i] = True
+                if pid != self._pids[i]:
+                    self._restarts += 1
+                    self._pids[i] = pid
+
+
+def _for_actor(cfg: RunConfig, gpus: float, engine_urls: list[str] | None = None) -> RunConfig:
+    """`cfg` as an actor runs it: Ray shows an actor its GPU as cuda:0, and none to an actor without one
+    (the trainer's actor also holds the in-process engine the evaluations use, on the trainer's device)."""
+    out = cfg.model_copy(deep=True)
+    on_gpu = gpus > 0
+    out.engine.device = "cuda" if on_gpu else "cpu"
+    out.trainer.device = "cuda" if on_gpu else "cpu"
+    if engine_urls is not None:
+        out.pipeline.engine_urls = engine_urls
+    return out
+
+
+def _on_gpu(device: str, cluster_has_gpus: bool) -> bool:
+    return device.startswith("cuda") or (device == "auto" and cluster_has_gpus)
+
+
+def _free_port() -> tuple[str, int]:
+    """(this node's address, a port free on it now): run as a task on a replica's bundle."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return host, int(sock.getsockname()[1])
+
+
+def _portable(target: str) -> str:
+    """A file TARGET as an absolute path, which the trainer's actor resolves from any working directory."""
+    where, sep, attr = target.rpartition(":")
+    if not (sep and attr.isidentifier()):
+        where, sep, attr = target, "", ""
+    path = Path(where).expanduser()
+    if (where.endswith(".py") or "/" in where) and path.is_file():
+        return f"{path.resolve()}{sep}{attr}"
+    return target
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise UserError(RAY_MISSING) from None
+    return ray
+
+
+@contextmanager
+def _cluster(ray: Any, cfg: RayConfig) -> Iterator[None]:
+    """Ray as ray.address says, for the run. A Ray this process had already started (a test's, a notebook's)
+    is used as it is and left running; one started here is shut down after the run."""
+    if ray.is_initialized():
+        yield
+        return
+    address = cfg.address
+    if address not in (None, "auto"):
+        _check_reachable(address, cfg.connect_timeout_s)
+    try:
+        if address is None:  # a private local cluster: this machine's CPUs, no dashboard
+            ray.init(include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=address, log_to_driver=True)
+    except ConnectionError as e:
+        raise UserError(
+            f"ray.address={address}: no Ray cluster found ({describe(e)}); start one with "
+            "`ray start --head`, or leave ray.address unset for a local Ray"
+        ) from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """A bounded TCP connect to HOST:PORT before Ray's own, much longer, retries."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise UserError(f"ray.address={address}: expected HOST:PORT (the head's GCS port), 'auto', or unset")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise UserError(
+            f"ray.address={address}: nothing answers there within {timeout_s:g} s ({describe(e)}); start the "
+            "cluster with `ray start --head`, or leave ray.address unset for a local Ray"
+        ) from None
