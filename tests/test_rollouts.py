@@ -128,3 +128,17 @@ def test_scripted_episode_matches_engine_layout(chat: ChatFormat) -> None:
     assert scripted.token_ids == engine_made.token_ids
     assert scripted.loss_mask == engine_made.loss_mask
     assert scripted.reward == engine_made.reward
+
+
+def test_turns_are_rendered_once_and_handed_out_as_copies(chat: ChatFormat) -> None:
+    first = chat.first_turn("Your hand: 9 7 (16). Dealer shows: K. hit or stand?")
+    fresh = ChatFormat(chat.tokenizer, chat.system_prompt, chat.eos_token_ids)
+    assert first == fresh.first_turn("Your hand: 9 7 (16). Dealer shows: K. hit or stand?")
+    first.append(-1)  # a caller extends its prompt: the cached turn stays as it was
+    again = chat.first_turn("Your hand: 9 7 (16). Dealer shows: K. hit or stand?")
+    assert again[-1] != -1 and again == fresh.first_turn(
+        "Your hand: 9 7 (16). Dealer shows: K. hit or stand?"
+    )
+    assert (
+        chat.next_turn("Dealer: K 6.") == fresh.next_turn("Dealer: K 6.") != chat.first_turn("Dealer: K 6.")
+    )
