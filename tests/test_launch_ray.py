@@ -8,6 +8,7 @@ tolerance (an actor with max_restarts is re-created by rerunning its constructor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,16 +28,17 @@ from inflight.cli import main
 from inflight.config import apply_overrides
 from inflight.launch.ray import RAY_MISSING, bundles
 from inflight.orchestrator.target import resolve_target
+from inflight.trainer.checkpoint import checkpoint_step
 
 pytestmark = pytest.mark.slow
 
 
-def tiny_run(model_dir: Path, steps: int) -> list[str]:
+def tiny_run(model_dir: Path, steps: int, warmup_steps: int = 20) -> list[str]:
     """A BlackJack run of a few seconds: a short warm-up so that groups carry signal, a small evaluation."""
     return [
         "progress=false",
         f"model.path={model_dir}",
-        "warmup.sft_steps=20",
+        f"warmup.sft_steps={warmup_steps}",
         "warmup.sft_batch_size=32",
         f"grpo.steps={steps}",
         "grpo.prompts_per_step=4",
@@ -71,6 +73,14 @@ def metrics_rows(run_dir: Path, phase: str) -> list[dict[str, Any]]:
     return [r for r in rows if r["phase"] == phase]
 
 
+def wait_until_released(ray: Any) -> None:
+    """The run's actors and placement group are gone (Ray frees them asynchronously)."""
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU") != 2:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
 def test_blackjack_through_ray_has_the_summary_of_a_local_run(
     ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -91,11 +101,7 @@ def test_blackjack_through_ray_has_the_summary_of_a_local_run(
     assert train[-1]["engine_replica_restarts"] == 0 and train[-1]["engine_replicas_up"] == 1
     assert list((tmp_path / "ray" / "weights").glob("weights-*.safetensors")), "weights went by file"
     assert (tmp_path / "ray" / "checkpoint" / "model.safetensors").is_file()
-    # The run's actors and placement group are released (Ray frees them asynchronously).
-    deadline = time.monotonic() + 30
-    while ray_cluster.available_resources().get("CPU") != 2:
-        assert time.monotonic() < deadline, ray_cluster.available_resources()
-        time.sleep(0.2)
+    wait_until_released(ray_cluster)
 
 
 def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
@@ -161,6 +167,46 @@ def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
     assert parity and max(parity) < 1e-3, parity
     # Nothing was lost to the crash: every step had a full batch (a failed rollout would be counted).
     assert last["rollout_errors"] == 0, last
+
+
+def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's actor is not restarted (its state is the run's): the command stops, says what happened and
+    where the checkpoint is, and releases the replicas. Resuming from a checkpoint is the pipeline's own
+    (tests/test_pipeline_resume.py)."""
+    run_dir = tmp_path / "run"
+
+    def kill_the_run_after_a_checkpoint() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, json.JSONDecodeError):
+                if len(metrics_rows(run_dir, "train")) >= 3:  # step 2's checkpoint is written before step 3
+                    break
+            time.sleep(0.1)
+        ray_cluster.kill(ray_cluster.get_actor(f"{run_dir.name}:run"))
+
+    killer = threading.Thread(target=kill_the_run_after_a_checkpoint, daemon=True)
+    killer.start()
+    capsys.readouterr()
+    # No warm-up: whether its steps train or are skipped (no signal), each is logged and checkpointed.
+    argv = [
+        *tiny_run(tiny_model_dir, 30, warmup_steps=0),
+        "checkpoint_every_steps=2",
+        "launcher=ray",
+        "--run-dir",
+        str(run_dir),
+    ]
+    code = main(["run", "blackjack", *argv])
+    killer.join(10)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("inflight: error:")]
+    assert len(errors) == 1 and "the trainer's actor died" in errors[0], err
+    assert f"run_dir={run_dir}" in errors[0] and "resume" in errors[0]
+    assert "Traceback" not in err
+    assert checkpoint_step(run_dir / "checkpoint") >= 2
+    wait_until_released(ray_cluster)
 
 
 def test_placement_bundles_follow_the_devices() -> None:

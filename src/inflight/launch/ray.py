@@ -64,7 +64,7 @@ class Placement:
     group: Any
     replicas: list[Any]
     infos: list[ReplicaInfo]
-    driver: Any
+    driver: Any  # None until started
     cfg: RunConfig
     target: str
 
@@ -85,7 +85,8 @@ class Placement:
     def release(self) -> None:
         """The run's actors and its reservation go; the cluster stays (unless this launcher started it)."""
         for actor in [self.driver, *self.replicas]:
-            self.ray.kill(actor, no_restart=True)
+            if actor is not None:
+                self.ray.kill(actor, no_restart=True)
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
@@ -139,47 +140,54 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
     def on_bundle(index: int) -> Any:
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
 
-    n = cfg.ray.num_engine_replicas
-    weights_dir = str(Path(cfg.run_dir or ".") / "weights")
-    replica_cls = ray.remote(EngineReplica)
-    replicas = []
+    placed = Placement(ray, group, [], [], None, cfg, target)
+    try:
+        _start_actors(ray, placed, shape, on_bundle)
+    except BaseException:
+        placed.release()
+        raise
+    for i, info in enumerate(placed.infos):
+        print(f"inflight: ray: engine replica {i} serves {info.url} (pid {info.pid})", file=sys.stderr)
+    return placed
+
+
+def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on_bundle: Any) -> None:
+    """The replicas on bundles 0..N-1 (waiting until each serves), the run's actor on bundle N."""
+    cfg, n = placed.cfg, len(shape) - 1
+    run_dir = Path(cfg.run_dir or ".")
+    # Named RUN_NAME:engine-i and RUN_NAME:run, so that `ray.get_actor` finds them (to inspect or kill).
+    replica_cls, driver_cls = ray.remote(EngineReplica), ray.remote(RunDriver)
     for i in range(n):
         gpus = shape[i].get("GPU", 0.0)
-        host, port = ray.get(
-            ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on_bundle(i)).remote()
-        )
-        replicas.append(
+        port_task = ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on_bundle(i))
+        host, port = ray.get(port_task.remote())
+        placed.replicas.append(
             replica_cls.options(
-                name=f"{Path(cfg.run_dir or '.').name}:engine-{i}",
+                name=f"{run_dir.name}:engine-{i}",
                 num_cpus=shape[i]["CPU"],
                 num_gpus=gpus,
                 max_restarts=cfg.ray.max_replica_restarts,
                 scheduling_strategy=on_bundle(i),
-            ).remote(_for_actor(cfg, gpus), host, port, weights_dir)
+            ).remote(_for_actor(cfg, gpus), host, port, str(run_dir / "weights"))
         )
-    driver = (
-        ray.remote(RunDriver)
-        .options(
-            num_cpus=shape[n]["CPU"], num_gpus=shape[n].get("GPU", 0.0), scheduling_strategy=on_bundle(n)
-        )
-        .remote()
-    )
-    placed = Placement(ray, group, replicas, [], driver, cfg, target)
+    placed.driver = driver_cls.options(
+        name=f"{run_dir.name}:run",
+        num_cpus=shape[n]["CPU"],
+        num_gpus=shape[n].get("GPU", 0.0),
+        scheduling_strategy=on_bundle(n),
+    ).remote()
     try:
-        placed.infos = ray.get([r.info.remote() for r in replicas], timeout=cfg.ray.replica_start_timeout_s)
+        placed.infos = ray.get(
+            [r.info.remote() for r in placed.replicas], timeout=cfg.ray.replica_start_timeout_s
+        )
     except ray.exceptions.GetTimeoutError:
-        placed.release()
         raise UserError(
             f"launcher=ray: the engine replicas did not start within ray.replica_start_timeout_s="
             f"{cfg.ray.replica_start_timeout_s:g} (loading {cfg.model.path})"
         ) from None
     except ray.exceptions.RayError as e:
-        placed.release()
         raise RuntimeError(f"launcher=ray: an engine replica failed to start: {e}") from None
     placed.cfg = _for_actor(cfg, shape[n].get("GPU", 0.0), engine_urls=[info.url for info in placed.infos])
-    for i, info in enumerate(placed.infos):
-        print(f"inflight: ray: engine replica {i} serves {info.url} (pid {info.pid})", file=sys.stderr)
-    return placed
 
 
 class EngineReplica:
