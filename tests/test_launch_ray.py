@@ -54,7 +54,7 @@ def ray_cluster() -> Iterator[Any]:
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     try:
         yield ray
     finally:

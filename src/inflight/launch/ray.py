@@ -331,8 +331,10 @@ def _cluster(ray: Any, cfg: RayConfig) -> Iterator[None]:
     if address not in (None, "auto"):
         _check_reachable(address, cfg.connect_timeout_s)
     try:
-        if address is None:  # a private local cluster: this machine's CPUs, no dashboard
-            ray.init(include_dashboard=False, log_to_driver=True)
+        # Unset: a new local cluster for this run ("local": never one that `ray start` left running here),
+        # with this machine's CPUs and no dashboard.
+        if address is None:
+            ray.init(address="local", include_dashboard=False, log_to_driver=True)
         else:
             ray.init(address=address, log_to_driver=True)
     except ConnectionError as e:
