@@ -260,10 +260,11 @@ class ReplicaWatch:
             for i, replica in enumerate(self._replicas):
                 if self._pending[i] is None:  # one question at a time: a hung replica does not pile them up
                     self._pending[i] = replica.info.remote()
-                ready, _ = ray.wait([self._pending[i]], timeout=0.5)
-                if not ready:
+            ray.wait(self._pending, num_returns=len(self._pending), timeout=0.5)
+            for i, ref in enumerate(self._pending):
+                if not ray.wait([ref], timeout=0)[0]:
                     continue
-                ref, self._pending[i] = self._pending[i], None
+                self._pending[i] = None
                 try:
                     pid = ray.get(ref).pid
                 except ray.exceptions.RayError:  # restarting, or dead for good (restarts exhausted)
