@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from inflight.inference.adapters import parse_adapter
+from inflight.inference.prefix_cache import PrefixCache
 from inflight.inference.runner import ModelRunner, RunnerChoice, build_runner
 from inflight.inference.sampling import sample, topk_logprobs
 from inflight.models.device import resolve_device
@@ -63,6 +64,11 @@ class BuiltinEngineConfig(BaseModel):
     runner: RunnerChoice = "auto"
     # Where weights, KV cache and sampling live: "cpu", "cuda", "cuda:N", or "auto" (cuda if there is one).
     device: str = "cpu"
+    # Spare cache rows that keep the K/V of recently finished sequences (least recently used evicted), so
+    # that a prompt beginning with one (a multi-turn episode's next turn) prefills only its new tokens;
+    # valid for the same adapter and weights version only. Each row costs as much memory as a running
+    # sequence's. Fast runner only (the hf runner ignores it). 0: off.
+    prefix_cache_rows: int = Field(default=0, ge=0)
 
 
 @dataclass(eq=False)
@@ -149,6 +155,8 @@ class EngineMetrics:
     # Prompt tokens not prefilled because a request admitted in the same step had the same prompt and
     # adapter (a GRPO group's samples): its K/V were copied instead.
     prompt_tokens_shared: int = 0
+    # Prompt tokens not prefilled because their K/V were in the prefix cache (`prefix_cache_rows`).
+    prompt_tokens_cached: int = 0
 
     @property
     def stale_kv_token_frac(self) -> float:
@@ -183,6 +191,7 @@ class _Counters:
     adapter_updates_received: int = 0
     adapter_updates_applied: int = 0
     prompt_tokens_shared: int = 0
+    prompt_tokens_cached: int = 0
 
 
 class BuiltinEngine:
@@ -201,10 +210,12 @@ class BuiltinEngine:
             model,
             self.config.runner,
             self._dtype,
-            self.config.max_batch_size,
+            self.config.max_batch_size + self.config.prefix_cache_rows,
             self.config.max_seq_len_tokens,
             self._device,
         )
+        spare = self.config.prefix_cache_rows if self._runner.resumes_cached_prefix else 0
+        self._prefix_cache = PrefixCache(first_row=self.config.max_batch_size, rows=spare)
         self._tokenizer = tokenizer
         self._generator = torch.Generator(self._device).manual_seed(self.config.seed)
         self._version = 0
@@ -527,7 +538,8 @@ class BuiltinEngine:
         Newcomers with the same prompt and adapter (a GRPO group's samples, admitted together) are
         prefilled once: the rows are reordered (in `self._running` and `adapters` alike) so that the first
         of each prompt comes first, and the others get a copy of its K/V and its logits. Requests that
-        ask for prompt outputs are prefilled on their own."""
+        ask for prompt outputs are prefilled on their own. A leader whose prompt begins with a prefix in
+        the prefix cache gets that prefix's K/V copied in and prefills only the rest."""
         new = self._running[row0:row1]
         first: dict[tuple, int] = {}
         leaders: list[int] = []
@@ -540,12 +552,18 @@ class BuiltinEngine:
                 leaders.append(i)
             else:
                 copies.append((i, leader))
-        if not copies:
+        hits = {i: hit for i in leaders if (hit := self._cached_prefix(new[i])) is not None}
+        if not copies and not hits:
             return self._prefill_rows(row0, row1, adapters)
-        order = leaders + [i for i, _ in copies]
+        # Rows: leaders with a cached prefix, the other leaders, then the copies.
+        order = [i for i in leaders if i in hits] + [i for i in leaders if i not in hits]
+        order += [i for i, _ in copies]
         self._running[row0:row1] = [new[i] for i in order]
         adapters[row0:row1] = [adapters[row0 + i] for i in order]
-        last = self._prefill_rows(row0, row0 + len(leaders), adapters)
+        resumed = order[: len(hits)]
+        last = self._prefill_cached(row0, [new[i] for i in resumed], [hits[i] for i in resumed], adapters)
+        if len(leaders) > len(hits):
+            last += self._prefill_rows(row0 + len(hits), row0 + len(leaders), adapters)
         row_of = {i: row0 + k for k, i in enumerate(order)}
         for i, leader in copies:
             length = len(new[i].request.prompt_token_ids)
@@ -557,6 +575,32 @@ class BuiltinEngine:
                 len(new[i].request.prompt_token_ids) for i, _ in copies
             )
         return last
+
+    def _cached_prefix(self, seq: _Sequence) -> tuple[int, int] | None:
+        """(spare row, length) of the longest cached prefix of its prompt, or None (prompt outputs come
+        from a whole prefill: never resumed)."""
+        if not self._prefix_cache.rows or seq.wants_prompt_logits:
+            return None
+        return self._prefix_cache.lookup(
+            seq.request.prompt_token_ids, seq.adapter, self._weights_version(seq)
+        )
+
+    def _prefill_cached(
+        self, row0: int, seqs: list[_Sequence], hits: list[tuple[int, int]], adapters: list[Any]
+    ) -> list[Tensor]:
+        """Rows row0.. get their cached prefixes' K/V copied in and prefill only the rest."""
+        if not seqs:
+            return []
+        for k, (spare, length) in enumerate(hits):
+            self._runner.move_row(spare, row0 + k, length)
+        cached = [length for _, length in hits]
+        prompts = [s.request.prompt_token_ids for s in seqs]
+        last = self._runner.prefill_after(prompts, cached, row0, adapters[row0 : row0 + len(seqs)])
+        for s, prompt in zip(seqs, prompts, strict=True):
+            s.num_cached = len(prompt)
+        with self._lock:
+            self._counters.prompt_tokens_cached += sum(cached)
+        return list(last)
 
     def _prefill_rows(self, row0: int, row1: int, adapters: list[Any]) -> list[Tensor]:
         new = self._running[row0:row1]
@@ -636,12 +680,24 @@ class BuiltinEngine:
     def _free_row(self, row: int, reason: FinishReason, error: str | None = None) -> Completion:
         """Finish the sequence in `row` and keep rows contiguous by moving the last active row into it."""
         seq, last = self._running[row], len(self._running) - 1
+        if reason != "abort" and error is None:
+            self._retain(row, seq)
         if row != last:
             moved = self._running[last]
             self._runner.move_row(last, row, moved.num_cached)
             self._running[row] = moved
         self._running.pop()
         return self._finish(seq, reason, error)
+
+    def _retain(self, row: int, seq: _Sequence) -> None:
+        """Keep a finished sequence's K/V in the prefix cache (all of it computed by the current weights)."""
+        version = self._weights_version(seq)
+        if not self._prefix_cache.rows or seq.kv_version != version or not seq.num_cached:
+            return
+        tokens = (seq.request.prompt_token_ids + seq.token_ids)[: seq.num_cached]
+        spare = self._prefix_cache.retain(tokens, seq.adapter, version)
+        if spare is not None:
+            self._runner.move_row(row, spare, len(tokens))
 
     def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> Completion:
         with self._lock:

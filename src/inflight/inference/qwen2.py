@@ -278,6 +278,7 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
     in the masked-dense form of `adapters.py`, over the fused matmuls (q/k/v, gate/up) as they are."""
 
     name = "fast"
+    resumes_cached_prefix = True
 
     def __init__(
         self, spec: ModelSpec, weights: Weights, max_batch_size: int, max_seq_len: int, device: torch.device
@@ -383,6 +384,47 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
             return causal_attention(q, k, v)
 
         return self._layers(w, ids, self.cos[:t], self.signed_sin[:t], attend, lora)
+
+    def prefill_after(
+        self,
+        prompts: list[list[int]],
+        cached: Sequence[int],
+        row0: int,
+        adapters: Sequence[FusedAdapter | None],
+    ) -> Tensor:
+        """Logits [b, V] (float32) at each prompt's last token, computing only positions cached[i].. of
+        prompt i: its new tokens attend to the K/V already in row row0 + i and to each other (causal)."""
+        w = self.weights
+        news = [p[c:] for p, c in zip(prompts, cached, strict=True)]
+        b, t = len(news), max(len(n) for n in news)
+        dev = self.device
+        ids = torch.tensor([n + [0] * (t - len(n)) for n in news], device=dev)
+        start = torch.tensor(list(cached), device=dev)
+        lengths = torch.tensor([len(n) for n in news], device=dev)
+        positions = start[:, None] + torch.arange(t, device=dev)[None]  # [b, t]
+        valid = torch.arange(t, device=dev)[None] < lengths[:, None]
+        span = max(c + len(n) for c, n in zip(cached, news, strict=True))
+        # Padding queries read position 0's rotation and attend like the row's last token; discarded.
+        rotary = torch.where(valid, positions, 0).view(-1)
+        slots = (self.row_slots[row0 : row0 + b, None] + positions)[valid]  # where the new K/V go
+        visible = torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None]  # [b, t, span]
+        kv, d = self.spec.num_kv_heads, self.spec.head_dim
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = self.k_cache[layer], self.v_cache[layer]
+            kc.view(-1, kv, d).index_copy_(0, slots, k[valid])
+            vc.view(-1, kv, d).index_copy_(0, slots, v[valid])
+            keys, values = (c[row0 : row0 + b, :span].transpose(1, 2) for c in (kc, vc))  # [b, KV, S, D]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
+            )
+            return out.transpose(1, 2).reshape(b * t, -1)
+
+        lora = self._lora.batch(adapters)
+        token_lora = None if lora is None else lora.per_token(t)
+        cos, sin = self.cos[rotary], self.signed_sin[rotary]
+        h = self._layers(w, ids, cos, sin, attend, token_lora).view(b, t, -1)
+        return self._logits(w, h[torch.arange(b, device=dev), lengths - 1], lora)
 
     def full_logits(self, token_ids: list[int], adapter: FusedAdapter | None = None) -> Tensor:
         """Logits [T, V] (float32) at every position of one sequence; the cache is untouched."""

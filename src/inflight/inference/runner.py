@@ -34,6 +34,8 @@ class ModelRunner(ABC, Generic[W, A]):
     """
 
     name: str  # "fast" or "hf": which implementation runs (EngineMetrics, logs)
+    # Whether `prefill_after` works: prefilling a prompt whose first tokens' K/V are already in its row.
+    resumes_cached_prefix: bool = False
     vocab_size: int
     device: torch.device
     optional_update_names: frozenset[str]  # parameters a WeightUpdate may leave out (tied copies)
@@ -59,6 +61,14 @@ class ModelRunner(ABC, Generic[W, A]):
         """Logits [b, V] (float32) at each prompt's last token, and for each index in `full_rows` the logits
         [P, V] at every position of that prompt (prompt logprobs, from this same pass); writes the K/V of
         rows row0..row0+b-1."""
+
+    def prefill_after(
+        self, prompts: list[list[int]], cached: Sequence[int], row0: int, adapters: Sequence[A | None]
+    ) -> Tensor:
+        """Like `prefill` (logits [b, V] at each prompt's last token), for rows row0.. whose first
+        `cached[i]` positions already hold prompt i's K/V (0 <= cached[i] < len(prompt i)): only the rest
+        is computed and cached. Only where `resumes_cached_prefix`."""
+        raise NotImplementedError(f"the {self.name} runner cannot resume a cached prefix")
 
     @abstractmethod
     def fill_cache(self, prefixes: list[list[int]], row0: int, adapters: Sequence[A | None]) -> None:
