@@ -612,6 +612,41 @@ def test_outage_and_recovery_replays_the_missed_update(tiny_model_dir, tokenizer
     assert (metrics.recoveries, metrics.replica_failures) == (1, 1)
 
 
+def test_a_restarted_replica_gets_the_last_weights_even_at_its_own_version(
+    tiny_model_dir, tokenizer, new_weights
+) -> None:
+    """Weights published as version 0 (a pipeline's warmed-up model, or LoRA's frozen base, before any
+    step) and a replica restarted from the model on disk, also at version 0 (as `launch/ray.py`'s replicas
+    are restarted by Ray): on recovery it gets the published weights, and serves what the other serves."""
+    _, path = new_weights
+    servers = [
+        InProcessServer(lambda: create_app(make_engine(tiny_model_dir), tokenizer)).start() for _ in range(2)
+    ]
+    urls = [s.url for s in servers]
+    greedy = SampleRequest(prompts(1, seed=3)[0], SamplingParams(max_tokens=6, temperature=0))
+
+    async def main():
+        config = ClientConfig(health_interval_s=0.2, health_timeout_s=2)
+        async with BalancedClient(urls, config) as client:
+            await client.update_weights(str(path), version=0)
+            servers[1].stop()
+            await wait_until(lambda: not client.metrics().replicas[1].healthy, 30, "the replica marked down")
+            servers[1].start()  # a fresh engine, the weights on disk, version 0
+            await wait_until(lambda: client.metrics().replicas[1].healthy, 30, "the replica to recover")
+        outs = []
+        for url in urls:
+            async with EngineClient(url) as one:
+                outs.append(await one.generate(greedy))
+        return outs
+
+    try:
+        on_0, on_1 = asyncio.run(main())
+    finally:
+        for server in servers:
+            server.stop()
+    assert on_1.token_ids == on_0.token_ids and max_diff(on_1.logprobs, on_0.logprobs) < 1e-5
+
+
 # -- LoRA adapters over HTTP ------------------------------------------------------------------------
 
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

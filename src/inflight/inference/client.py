@@ -453,9 +453,12 @@ class BalancedClient:
             health = await replica.client.health()
             if health.status != "ok":
                 raise ReplicaError(f"{replica.client.url}: unhealthy: {health.error}")
-            # Skipped while a broadcast is on its way to the replica anyway.
-            if not self._broadcasting:
-                health.version = await self._sync(replica.client, health)
+            # Skipped while a broadcast is on its way to the replica anyway; never for a replica coming back
+            # (broadcasts skip it), which also gets the last weights at an equal version: restarted, it
+            # serves the model from disk at version 0, the version of weights published before any step.
+            recovering = not replica.healthy
+            if recovering or not self._broadcasting:
+                health.version = await self._sync(replica.client, health, force_weights=recovering)
         except (ReplicaError, EngineRequestError) as exc:
             if replica.healthy:
                 self._health_failures += 1
@@ -466,12 +469,12 @@ class BalancedClient:
             replica.healthy, replica.last_error = True, None
             self._recoveries += 1
 
-    async def _sync(self, client: EngineClient, health: HealthResponse) -> int:
+    async def _sync(self, client: EngineClient, health: HealthResponse, force_weights: bool = False) -> int:
         """Bring a replica back from an outage (or restarted unseen) up to date before it takes requests:
-        the last weights if it has older ones, every adapter it lacks or has older, no adapter removed
-        since. Returns its weight version now."""
+        the last weights if it has older ones (or `force_weights`), every adapter it lacks or has older, no
+        adapter removed since. Returns its weight version now."""
         version = health.version
-        if self._weights is not None and version < self._weights[0]:
+        if self._weights is not None and (force_weights or version < self._weights[0]):
             version = (await self._weights[1](client)).version
         for name, (adapter_version, install) in list(self._adapters.items()):
             if health.adapters.get(name, -1) < adapter_version:
