@@ -35,3 +35,14 @@ step service_sdk 170 python3 -m pytest -p no:cacheprovider -q -rfE -x tests/test
 step blackjack 170 python3 -m inflight.cli run blackjack engine.device=cuda trainer.device=cuda \
     grpo.steps=6 warmup.sft_steps=20 eval.num_episodes=400 eval.num_episodes_sampled=200 \
     eval.every_steps=3 eval.num_episodes_during=200 run_dir="$OUT/blackjack-run" metrics.print_every_steps=1
+# What the CUDA run did: shared prefixes in the trainer (forward tokens below the batch's), engine-trainer
+# parity, and any layout the trainer fell back from (a warning in its log).
+python3 - "$OUT/blackjack-run/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+train = [r for r in rows if r.get("phase") == "train"]
+keys = ("num_tokens", "forward_tokens", "logprob_parity_max_abs", "step_s")
+for r in train:
+    print({k: r.get(k) for k in keys})
+PY
+grep -i "warn" "$OUT/blackjack.log" | head -5 || true

@@ -252,21 +252,26 @@ def test_collate_packs_samples_end_to_end_with_restarting_positions() -> None:
     assert mb.packed_ids is not None and mb.packed_positions is not None and mb.packed_flat is not None
     width = max(len(s.token_ids) for s in samples) - 1
     assert mb.packed_ids.shape[1] == width and mb.rows < len(samples)  # fewer rows than samples
+    _laid_out(mb, samples)
+
+
+def _laid_out(mb: MicroBatch, samples: list[TrainSample]) -> list[torch.Tensor]:
+    """Each sample's indices in the packed rows, checked to hold its tokens at their own positions."""
+    assert mb.packed_ids is not None and mb.packed_positions is not None and mb.packed_flat is not None
     flat_ids, flat_pos = mb.packed_ids.view(-1), mb.packed_positions.view(-1)
+    indices = []
     for b, s in enumerate(samples):
         n = len(s.token_ids) - 1
         index = mb.packed_flat[b, :n]
         assert flat_ids[index].tolist() == s.token_ids[:-1]
         assert flat_pos[index].tolist() == list(range(n))
+        indices.append(index)
+    return indices
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4])
-@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean"])
-def test_packing_gives_the_gradients_of_padding(tiny_model_dir: Path, lora_rank: int, reduction: str) -> None:
-    """Every term the trainer adds (PPO, the top-k entropy bonus, the exact KL to the reference) over
-    packed rows against right-padded ones, micro-batched differently too."""
-    samples = make_samples(12, vocab=2048, seed=4)
-    loss = LossConfig(
+def _regularised_ppo(reduction: str) -> LossConfig:
+    """PPO with every term the trainer adds: the top-k entropy bonus and the exact KL to the reference."""
+    return LossConfig(
         name="ppo",
         reduction=reduction,  # type: ignore[arg-type]
         entropy_coef=0.1,
@@ -275,29 +280,48 @@ def test_packing_gives_the_gradients_of_padding(tiny_model_dir: Path, lora_rank:
         kl_estimator="exact_ref",
     )
 
-    def run(packing: bool, micro: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        torch.manual_seed(0)
-        model = load_model(tiny_model_dir)
-        trainer = Trainer(
-            model, TrainerConfig(micro_batch_size=micro, loss=loss, packing=packing, lora_rank=lora_rank)
-        )
-        assert trainer.packing is packing
-        if lora_rank:  # a fresh adapter has B = 0: give B values so that A gets a gradient too
-            with torch.no_grad():
-                for p in trainer.policy.parameters()[1::2]:
-                    p.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
-        metrics = trainer.forward_backward(samples)
-        params = trainer.policy.parameters()
-        return metrics, {str(i): p.grad.clone() for i, p in enumerate(params) if p.grad is not None}
 
-    padded_metrics, padded = run(packing=False, micro=12)
-    packed_metrics, packed = run(packing=True, micro=5)
-    assert padded.keys() == packed.keys() and padded
-    assert sum(float(g.abs().sum()) for g in padded.values()) > 0
-    for name in padded:
-        torch.testing.assert_close(packed[name], padded[name], rtol=1e-4, atol=1e-6, msg=name)
+def _step_grads(
+    model_dir: Path, samples: list[TrainSample], config: TrainerConfig
+) -> tuple[dict[str, float], dict[str, torch.Tensor], Trainer]:
+    """One forward_backward's metrics and gradients (a LoRA adapter's B made nonzero so A gets one too)."""
+    torch.manual_seed(0)
+    trainer = Trainer(load_model(model_dir), config)
+    if config.lora_rank:  # a fresh adapter has B = 0: give B values so that A gets a gradient too
+        with torch.no_grad():
+            for p in trainer.policy.parameters()[1::2]:
+                p.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
+    metrics = trainer.forward_backward(samples)
+    params = trainer.policy.parameters()
+    return metrics, {str(i): p.grad.clone() for i, p in enumerate(params) if p.grad is not None}, trainer
+
+
+def _assert_same_step(
+    got: tuple[dict[str, float], dict[str, torch.Tensor]],
+    want: tuple[dict[str, float], dict[str, torch.Tensor]],
+) -> None:
+    (got_metrics, got_grads), (want_metrics, want_grads) = got, want
+    assert want_grads.keys() == got_grads.keys() and want_grads
+    assert sum(float(g.abs().sum()) for g in want_grads.values()) > 0
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     for key in ("loss", "entropy", "kl", "logprob_diff_mean_abs"):
-        assert packed_metrics[key] == pytest.approx(padded_metrics[key], rel=1e-4, abs=1e-6), key
+        assert got_metrics[key] == pytest.approx(want_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean"])
+def test_packing_gives_the_gradients_of_padding(tiny_model_dir: Path, lora_rank: int, reduction: str) -> None:
+    """Every term the trainer adds over packed rows against right-padded ones, micro-batched differently."""
+    samples = make_samples(12, vocab=2048, seed=4)
+    loss = _regularised_ppo(reduction)
+    steps = {}
+    for packing, micro in ((False, 12), (True, 5)):
+        config = TrainerConfig(micro_batch_size=micro, loss=loss, packing=packing, lora_rank=lora_rank)
+        metrics, grads, trainer = _step_grads(tiny_model_dir, samples, config)
+        assert trainer.packing is packing
+        steps[packing] = (metrics, grads)
+    _assert_same_step(steps[True], steps[False])
 
 
 def test_samples_that_begin_alike_are_grouped_to_share_their_prefix() -> None:
@@ -323,15 +347,10 @@ def test_collate_lays_a_shared_prefix_out_once() -> None:
     assert mb.packed_ids is not None and mb.packed_positions is not None and mb.packed_flat is not None
     assert mb.packed_mask is not None and plain.packed_mask is None
     assert mb.forward_tokens < plain.forward_tokens == sum(len(s.token_ids) - 1 for s in samples)
-    flat_ids, flat_pos = mb.packed_ids.view(-1), mb.packed_positions.view(-1)
-    for b, s in enumerate(samples):
-        n = len(s.token_ids) - 1
-        index = mb.packed_flat[b, :n]
-        assert flat_ids[index].tolist() == s.token_ids[:-1]
-        assert flat_pos[index].tolist() == list(range(n))
+    width = mb.packed_ids.shape[1]
+    for index in _laid_out(mb, samples):
         # Each token sees exactly the tokens of its own sample before it (and itself).
-        width = mb.packed_ids.shape[1]
-        for t in range(n):
+        for t in range(len(index)):
             row, col = divmod(int(index[t]), width)
             seen = mb.packed_mask[row, 0, col].nonzero().view(-1) + row * width
             assert sorted(seen.tolist()) == sorted(index[: t + 1].tolist())
@@ -342,40 +361,18 @@ def test_collate_lays_a_shared_prefix_out_once() -> None:
 def test_shared_prefixes_give_the_gradients_of_padding(
     tiny_model_dir: Path, lora_rank: int, reduction: str
 ) -> None:
-    """PPO, the top-k entropy bonus and the exact KL to the reference over shared-prefix rows against
-    right-padded ones: GRPO groups, a duplicated sample and a sample that is another's prefix."""
+    """Every term the trainer adds over shared-prefix rows against right-padded ones: GRPO groups, a
+    duplicated sample and a sample that is another's prefix."""
     samples = make_grouped_samples(prompts=3, group=4, vocab=2048, seed=8)
-    loss = LossConfig(
-        name="ppo",
-        reduction=reduction,  # type: ignore[arg-type]
-        entropy_coef=0.1,
-        entropy_top_k=3,
-        kl_coef=0.1,
-        kl_estimator="exact_ref",
-    )
-
-    def run(packing: bool, share: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-        torch.manual_seed(0)
-        config = TrainerConfig(loss=loss, packing=packing, share_prefixes=share, lora_rank=lora_rank)
-        trainer = Trainer(load_model(tiny_model_dir), config)
+    loss = _regularised_ppo(reduction)
+    steps = {}
+    for share in (False, True):
+        config = TrainerConfig(loss=loss, packing=share, share_prefixes=share, lora_rank=lora_rank)
+        metrics, grads, trainer = _step_grads(tiny_model_dir, samples, config)
         assert trainer.share_prefixes is share
-        if lora_rank:  # a fresh adapter has B = 0: give B values so that A gets a gradient too
-            with torch.no_grad():
-                for p in trainer.policy.parameters()[1::2]:
-                    p.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
-        metrics = trainer.forward_backward(samples)
-        params = trainer.policy.parameters()
-        return metrics, {str(i): p.grad.clone() for i, p in enumerate(params) if p.grad is not None}
-
-    padded_metrics, padded = run(packing=False, share=False)
-    shared_metrics, shared = run(packing=True, share=True)
-    assert padded.keys() == shared.keys() and padded
-    assert sum(float(g.abs().sum()) for g in padded.values()) > 0
-    for name in padded:
-        torch.testing.assert_close(shared[name], padded[name], rtol=1e-4, atol=1e-6, msg=name)
-    for key in ("loss", "entropy", "kl", "logprob_diff_mean_abs"):
-        assert shared_metrics[key] == pytest.approx(padded_metrics[key], rel=1e-4, abs=1e-6), key
-    assert shared_metrics["forward_tokens"] < 0.6 * padded_metrics["forward_tokens"]
+        steps[share] = (metrics, grads)
+    _assert_same_step(steps[True], steps[False])
+    assert steps[True][0]["forward_tokens"] < 0.6 * steps[False][0]["forward_tokens"]
 
 
 class _IgnoresAttentionMasks(torch.nn.Module):
