@@ -159,3 +159,38 @@ def test_code_warmup_reply_defines_the_asked_function_with_another_train_body() 
 def test_unknown_recipe_is_a_clear_error() -> None:
     with pytest.raises(UserError, match=r"unknown target 'algebra'.*arithmetic"):
         resolve_target("algebra")
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_warm_up_groups_play_each_start_several_times(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: int
+) -> None:
+    """`warmup.sft_group_size`: each episode seed `group` times in a row (their own random replies), so the
+    transcripts share their first turn and the trainer lays it out once; 1 leaves the draws as they were."""
+    import inflight.orchestrator.warmup as warmup
+    from inflight.config import apply_overrides
+    from inflight.metrics.logger import MetricsLogger
+    from inflight.orchestrator.setup import load_policy, pad_id
+    from inflight.rollouts.chat import ChatFormat
+
+    seeds: list[int] = []
+    played = warmup.run_scripted_episode
+
+    def recording(env: Any, seed: int, *args: Any) -> Any:
+        seeds.append(seed)
+        return played(env, seed, *args)
+
+    monkeypatch.setattr(warmup, "run_scripted_episode", recording)
+    task = resolve_target("blackjack")
+    overrides = [f'model.path="{tiny_model_dir}"', "warmup.sft_steps=1", "warmup.sft_batch_size=8"]
+    cfg = apply_overrides(task.config(), [*overrides, f"warmup.sft_group_size={group}"])
+    model, tokenizer = load_policy(cfg)
+    chat = ChatFormat.for_model(tokenizer, model)
+    metrics = warmup.format_warmup(
+        model, pad_id(tokenizer), chat, lambda: task.make_env(cfg, "train"), cfg, MetricsLogger(tmp_path)
+    )
+    rng = random.Random(cfg.seed + 7919)  # the warm-up's generator: a step draws its starts first
+    expected_starts = [rng.getrandbits(62) for _ in range(8 // group)]
+    assert seeds == [s for s in expected_starts for _ in range(group)]
+    if group > 1:  # 2 starts x 4 transcripts: each start's first turn computed once
+        assert metrics["forward_tokens"] < 0.7 * metrics["num_tokens"]

@@ -74,6 +74,10 @@ class WarmupConfig(_Config):
     tokens: Literal["replies", "all"] = "replies"
     sft_batch_size: int = 64
     sft_lr: float = 1e-3
+    # Transcripts per episode seed (environment start) in a batch: > 1 plays each start several times with
+    # its own random replies, so they share their first turn and the trainer lays it out once
+    # (trainer.share_prefixes); 1: every transcript its own start.
+    sft_group_size: int = Field(default=1, ge=1)
 
 
 class EvalConfig(_Config):

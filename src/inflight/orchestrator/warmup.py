@@ -80,7 +80,8 @@ def format_warmup(
 
     metrics: dict[str, float] = {}
     for step in range(w.sft_steps):
-        seeds = [rng.getrandbits(62) for _ in range(w.sft_batch_size)]
+        starts = [rng.getrandbits(62) for _ in range(-(-w.sft_batch_size // w.sft_group_size))]
+        seeds = [s for s in starts for _ in range(w.sft_group_size)][: w.sft_batch_size]
         rollouts = [run_scripted_episode(env, s, policy, chat, cfg.grpo.max_turns) for s in seeds]
         samples = [TrainSample.from_rollout(r, advantage=0.0) for r in rollouts]
         if w.tokens == "all":
