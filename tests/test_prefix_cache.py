@@ -53,9 +53,9 @@ def test_a_next_turn_resumes_from_the_last_turns_k_v(runner: str) -> None:
         )
         return BuiltinEngine(model, config=config)
 
-    def episode(e: BuiltinEngine) -> list:
+    def episode(e: BuiltinEngine) -> tuple[list, list[list[int]]]:
         """Three turns of two episodes side by side: each turn's prompt is the last turn's prompt and
-        completion (its final token included) and a new message."""
+        completion (its final token included) and a new message. Also returns the next turn's prompts."""
         histories = [prompts([11])[0], prompts([7], seed=5)[0]]
         messages = prompts([3, 4, 5], seed=9)
         outs = []
@@ -67,20 +67,32 @@ def test_a_next_turn_resumes_from_the_last_turns_k_v(runner: str) -> None:
             done = e.generate(copy.deepcopy(requests))
             outs.append(done)
             histories = [h + c.token_ids + message for h, c in zip(histories, done, strict=True)]
-        return outs
+        return outs, histories
 
-    plain, cached = engine(0), engine(4)
-    for want, got in zip(episode(plain), episode(cached), strict=True):
+    def assert_same(want: list, got: list) -> None:
         for a, b in zip(want, got, strict=True):
             assert a.token_ids == b.token_ids
             assert max_diff(a.logprobs, b.logprobs) < 1e-4
+
+    plain, cached = engine(0), engine(4)
+    (want, _), (got, next_turns) = episode(plain), episode(cached)
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
     resumed = cached.metrics().prompt_tokens_cached
     assert plain.metrics().prompt_tokens_cached == 0
     assert resumed > 0 if runner == "fast" else resumed == 0  # the hf runner cannot resume a prefix
-    # New weights: nothing cached is reused.
-    before = cached.metrics().prompt_tokens_cached
-    cached.update_weights(
-        WeightUpdate(version=1, state_dict={k: v.clone() for k, v in model.state_dict().items()})
-    )
-    episode(cached)
-    assert cached.metrics().prompt_tokens_cached - before <= resumed  # only turns after the new weights
+
+    # New weights: the K/V the old ones left are never reused. The next turn extends a cached sequence,
+    # yet prefills in full and matches the engine without a cache.
+    torch.manual_seed(1)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    for e in (plain, cached):
+        e.update_weights(WeightUpdate(version=1, state_dict={k: v.clone() for k, v in new.items()}))
+    request = SampleRequest(next_turns[0], SamplingParams(max_tokens=5, seed=99))
+    assert_same(plain.generate([copy.deepcopy(request)]), cached.generate([copy.deepcopy(request)]))
+    assert cached.metrics().prompt_tokens_cached == resumed
+    # Entries of the new weights are reused again, with the new weights' results.
+    (want, _), (got, _) = episode(plain), episode(cached)
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
+    assert (cached.metrics().prompt_tokens_cached > resumed) == (runner == "fast")
