@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from inflight.inference import prompt_outputs
 from inflight.inference.adapters import parse_adapter
 from inflight.inference.prefix_cache import PrefixCache
 from inflight.inference.runner import ModelRunner, RunnerChoice, build_runner
@@ -362,7 +363,7 @@ class BuiltinEngine:
         with self._lock:
             entry = self._lookup_adapter(request)
         logits = self._runner.full_logits(token_ids, None if entry is None else entry.weights)
-        return _prompt_logprobs(token_ids, torch.log_softmax(logits[:-1].float(), dim=-1), 0)[0]
+        return prompt_outputs.prompt_logprobs(token_ids, torch.log_softmax(logits[:-1].float(), dim=-1), 0)[0]
 
     def _lookup_adapter(self, request: SampleRequest) -> _Adapter | None:
         """The adapter a request names (None: the base weights); the caller holds the lock."""
@@ -618,16 +619,16 @@ class BuiltinEngine:
         """Everything a request asks of its prompt, from the logits [P, V] of its prefill."""
         r = seq.request
         logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # [P-1, V]: predictions for prompt[1:]
-        lps, topk = _prompt_logprobs(r.prompt_token_ids, logprobs, r.topk_prompt_logprobs)
+        lps, topk = prompt_outputs.prompt_logprobs(r.prompt_token_ids, logprobs, r.topk_prompt_logprobs)
         seq.prompt_logprobs = lps if r.prompt_logprobs else None
         seq.topk_prompt_logprobs = topk if r.topk_prompt_logprobs else None
         if r.target_prompt_ids is not None:
-            seq.target_prompt_logprobs = _target_logprobs(logprobs, r.target_prompt_ids)
+            seq.target_prompt_logprobs = prompt_outputs.target_logprobs(logprobs, r.target_prompt_ids)
         if r.prompt_alt_tokens_k:
             seed = r.params.seed
             # A generator of its own, so the request's sampled tokens do not depend on the draws.
             generator = self._generator if seed is None else torch.Generator(self._device).manual_seed(seed)
-            seq.prompt_alt_tokens = _alt_tokens(
+            seq.prompt_alt_tokens = prompt_outputs.alt_tokens(
                 logits[:-1].float(), logprobs, r.prompt_alt_tokens_k, r.params.temperature, generator
             )
 
@@ -786,45 +787,3 @@ class BuiltinEngine:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-
-
-def _prompt_logprobs(
-    prompt: list[int], logprobs: Tensor, top_k: int
-) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """From logprobs [P-1, V] at temperature 1 (row t predicts prompt[t + 1]): ([P] log p(prompt_t |
-    prompt_<t), NaN first; [P] the top_k (id, logprob) per position, most likely first, [] first)."""
-    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logprobs.device)[:, None]
-    values = [math.nan, *logprobs.gather(1, targets).squeeze(1).tolist()]
-    topk: list[list[tuple[int, float]]] = [[]]
-    k = min(top_k, logprobs.shape[-1])
-    if k > 0 and len(prompt) > 1:
-        best, ids = logprobs.topk(k, dim=-1)
-        topk += [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), best.tolist(), strict=True)]
-    return values, topk
-
-
-def _target_logprobs(logprobs: Tensor, ids: list[list[int]]) -> list[list[float]]:
-    """[P-1][K] logprobs[i, ids[i][j]] from logprobs [P-1, V]; 0.0 where the id is -1. Rows may differ in
-    length."""
-    width = max((len(row) for row in ids), default=0)
-    if width == 0:
-        return [[] for _ in ids]
-    padded = torch.tensor([row + [-1] * (width - len(row)) for row in ids], device=logprobs.device)
-    values = logprobs.gather(1, padded.clamp_min(0)).masked_fill(padded < 0, 0.0).tolist()
-    return [row_values[: len(row)] for row, row_values in zip(ids, values, strict=True)]
-
-
-def _alt_tokens(
-    logits: Tensor, logprobs: Tensor, k: int, temperature: float, generator: torch.Generator
-) -> list[list[tuple[int, float]]]:
-    """k draws with replacement from softmax(logits / temperature) per row of logits [P-1, V] (the argmax
-    at temperature 0), each with its logprob from logprobs [P-1, V] (temperature 1)."""
-    if logits.shape[0] == 0:
-        return []
-    if temperature == 0:
-        ids = logits.argmax(dim=-1, keepdim=True).expand(-1, k)
-    else:
-        probs = torch.softmax(logits / temperature, dim=-1)
-        ids = torch.multinomial(probs, k, replacement=True, generator=generator)
-    values = logprobs.gather(1, ids)
-    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
