@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"batch: {len(batch)} samples, {tokens} tokens; {torch.get_num_threads()} threads", flush=True)
 
     for _ in range(2):
-        trainer.train_step(batch)
+        warm = trainer.train_step(batch)
         baseline(batch)
+    forward_tokens = int(warm["forward_tokens"])  # the batch's tokens as laid out (shared prefixes once)
     ours: list[float] = []
     theirs: list[float] = []
     for r in range(args.rounds):
@@ -194,8 +195,6 @@ def main(argv: list[str] | None = None) -> dict:
     # reference's forward, over every matmul parameter (the embedding is a lookup; the LM head counts in
     # full, although the trainer runs it only at trained positions), attention's own FLOPs left out.
     matmul_params = params - model.get_input_embeddings().weight.numel()
-    forward_tokens = int(trainer.forward_backward(batch)["forward_tokens"])
-    trainer.optimizer.zero_grad(set_to_none=True)
     flops = (6 + (2 if cfg.trainer.loss.kl_coef > 0 else 0)) * matmul_params * forward_tokens
     peak = args.peak_gflops or peak_gflops()
     result = {
