@@ -1,15 +1,20 @@
-"""forward_backward_custom, driven by the unmodified SDK, and the dro loss and loss_fn_config checks through
-a live server.
+"""forward_backward_custom, driven by the unmodified SDK, the dro and stable_reinforce losses, and the
+loss_fn_config checks through a live server.
 
 References: the SDK's `forward_backward_custom` (tinker 0.38.0: forward with cross_entropy, the custom loss
 C(lp) on the client, then cross_entropy with weights = -dC/dlp, any sign); an identical second adapter
 trained with the built-in cross_entropy on those weights, computed here from its own forward, must land on
 the same weights. dro: Tinker's DRO page, -(lp*A - beta/2 (lp - q)^2) summed, in python floats.
+stable_reinforce: this server's reading (Tinker's objective is unpublished; `losses/policy.py`),
+-A*lp + kl_coeff*(r - 1 - log r) summed over the sampled rows, in python floats; the datum is built as
+tinker-cookbook 0.6.1's `rl_loop` builds it (a record_stability_info sampler, `Datum.with_provenance`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,6 +99,60 @@ def test_dro_loss_value_and_config(server: BackgroundServer) -> None:
     service.close("success").result()
 
 
+def test_stable_reinforce_on_a_sampled_sequence(server: BackgroundServer) -> None:
+    service = tinker.ServiceClient(base_url=server.url)
+    client = service.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = TOKENS[:6]
+    params = types.SamplingParams(max_tokens=8, seed=1, stop=[])
+    sequence = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    sampled, q_sampled = sequence.tokens, sequence.logprobs
+    assert q_sampled is not None and len(sampled) == 8
+    # Stale by one step, as async RL samples are: the learner moves, the sampler's q does not.
+    client.forward_backward([datum()], "cross_entropy").result()
+    client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+    p, s = len(prompt), len(sampled)
+    advantage = 1.5
+    q = [0.0] * (p - 1) + q_sampled  # as the cookbook pads the prompt rows
+    advantages = [0.0] * (p - 1) + [advantage] * s
+    rl = types.Datum(
+        model_input=types.ModelInput.from_ints(prompt + sampled[:-1]),
+        loss_fn_inputs={"target_tokens": prompt[1:] + sampled, "logprobs": q, "advantages": advantages},  # type: ignore[dict-item]
+    ).with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=sequence.sequence_id, length=p),
+            types.SampledProvenanceSpan(sequence_id=sequence.sequence_id, length=s - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=sequence.sequence_id, offset=1, length=p - 1),
+            types.SampledProvenanceSpan(sequence_id=sequence.sequence_id, length=s),
+        ],
+    )
+    for config, kl_coeff in (({"kl_coeff": 0.5}, 0.5), (None, 0.01)):
+        out = client.forward([rl], "stable_reinforce", config).result()
+        lp = out.loss_fn_outputs[0]["logprobs"].data
+        rows = range(p - 1, p - 1 + s)  # the sampled rows; the prompt rows carry no loss
+        log_ratios = [lp[i] - q[i] for i in rows]
+        assert max(abs(x) for x in log_ratios) > 1e-2  # off policy, so the KL term is not ~0
+        expected = sum(-advantages[i] * lp[i] for i in rows)
+        expected += kl_coeff * sum(math.exp(x) - 1 - x for x in log_ratios)
+        assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5), config
+    before = out.metrics["loss:sum"]
+    client.forward_backward([rl], "stable_reinforce").result()
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert client.forward([rl], "stable_reinforce").result().metrics["loss:sum"] < before
+
+    # Tinker's rule: provenance on every datum, nonzero advantages only on sampled rows.
+    plain = types.Datum(model_input=rl.model_input, loss_fn_inputs=rl.loss_fn_inputs)
+    with pytest.raises(tinker.RequestFailedError, match="needs provenance"):
+        client.forward_backward([plain], "stable_reinforce").result()
+    on_prompt = replace(rl, loss_fn_inputs={**rl.loss_fn_inputs, "advantages": [1.0] * len(advantages)})
+    with pytest.raises(tinker.RequestFailedError, match=r"advantages'\]\[0\].*prompt row"):
+        client.forward_backward([on_prompt], "stable_reinforce").result()
+    service.close("success").result()
+
+
 @pytest.mark.parametrize(
     ("loss_fn", "config", "named"),
     [
@@ -101,7 +160,9 @@ def test_dro_loss_value_and_config(server: BackgroundServer) -> None:
         ("dro", {"clip_low_threshold": 0.8}, ["clip_low_threshold", "beta"]),
         ("importance_sampling", {"beta": 0.1}, ["beta", "takes no config"]),
         ("dro", {"beta": -1.0}, ["beta", ">= 0"]),
-        ("stable_reinforce", None, ["stable_reinforce", "not published"]),
+        ("stable_reinforce", {"beta": 0.05}, ["beta", "kl_coeff"]),
+        ("stable_reinforce", {"kl_coeff": -0.5}, ["kl_coeff", ">= 0"]),
+        ("gspo", None, ["gspo", "not implemented"]),
     ],
 )
 def test_bad_loss_config_fails_naming_the_key(

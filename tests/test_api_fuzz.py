@@ -428,7 +428,18 @@ def _datum(data: st.DataObject) -> pb.Datum:
     }
     bad = data.draw(
         st.sampled_from(
-            [None, "tokens", "target_tokens", "weights", "shape", "dtype", "extra", "missing", "chunk"]
+            [
+                None,
+                "tokens",
+                "target_tokens",
+                "weights",
+                "shape",
+                "dtype",
+                "extra",
+                "missing",
+                "chunk",
+                "spans",
+            ]
         )
     )
     if bad == "tokens":
@@ -458,7 +469,34 @@ def _datum(data: st.DataObject) -> pb.Datum:
         chunk = data.draw(
             st.sampled_from([pb.Chunk(), pb.Chunk(image=pb.ImageChunk(data=b"x", format="png"))])
         )
-    return pb.Datum(model_input=[chunk], loss_fn_inputs=inputs)
+    datum = pb.Datum(model_input=[chunk], loss_fn_inputs=inputs)
+    if bad == "spans":  # provenance that does not tile, names no sequence, or comes alone
+        for field in data.draw(st.sampled_from([["model_input_spans"], ["loss_fn_input_spans"], ["both"]])):
+            for name in ("model_input_spans", "loss_fn_input_spans") if field == "both" else (field,):
+                getattr(datum, name).extend(data.draw(st.lists(_span(st.integers(-3, 9)), max_size=3)))
+    elif data.draw(st.booleans()):  # well-formed provenance: a prompt run, then a sampled one
+        cut = data.draw(st.integers(0, length))
+        for name in ("model_input_spans", "loss_fn_input_spans"):
+            getattr(datum, name).extend(
+                [
+                    pb.ProvenanceSpan(prompt_tokens=pb.PromptProvenanceSpan(sequence_id="s-0", length=cut)),
+                    pb.ProvenanceSpan(
+                        sampled_tokens=pb.SampledProvenanceSpan(sequence_id="s-0", length=length - cut)
+                    ),
+                ]
+            )
+    return datum
+
+
+def _span(lengths: st.SearchStrategy[int]) -> st.SearchStrategy[pb.ProvenanceSpan]:
+    runs = st.builds(
+        dict, sequence_id=st.sampled_from(["", "s-0", "x" * 300]), offset=st.integers(-2, 4), length=lengths
+    )
+    return st.one_of(
+        st.just(pb.ProvenanceSpan()),
+        runs.map(lambda run: pb.ProvenanceSpan(prompt_tokens=pb.PromptProvenanceSpan(**run))),
+        runs.map(lambda run: pb.ProvenanceSpan(sampled_tokens=pb.SampledProvenanceSpan(**run))),
+    )
 
 
 @FUZZ
@@ -471,13 +509,14 @@ def test_malformed_forward_backward_protobuf(fuzzed: Fuzzed, data: st.DataObject
         seq_id=data.draw(st.integers(1, 70) | st.integers(-5, 0)),
         data=[_datum(data) for _ in range(data.draw(st.integers(0, 3)))],
         loss_fn=data.draw(
-            st.sampled_from(["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", ""])
+            st.sampled_from(
+                ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "stable_reinforce", ""]
+            )
         ),
         forward_only=data.draw(st.booleans()),
     )
-    for key, value in data.draw(
-        st.dictionaries(st.sampled_from(["clip_low_threshold", "clip_high_threshold", "z"]), st.floats())
-    ).items():
+    config_keys = st.sampled_from(["clip_low_threshold", "clip_high_threshold", "beta", "kl_coeff", "z"])
+    for key, value in data.draw(st.dictionaries(config_keys, st.floats())).items():
         message.loss_fn_config[key] = value
         message.loss_fn_config_v2[key].number = value
     fuzzed.post(

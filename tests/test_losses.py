@@ -1,7 +1,9 @@
 """Value and gradient tests of the pure loss math against naive per-token references.
 
 References: Tinker loss docs (reference/tinker-api.md §7.3: cross_entropy, importance_sampling, ppo,
-cispo; Tinker's DRO page: -(lp*A - beta/2 (lp - q)^2), default beta 0.01),
+cispo; Tinker's DRO page: -(lp*A - beta/2 (lp - q)^2), default beta 0.01), this server's reading of
+stable_reinforce (its objective is unpublished; `losses/policy.py`): -A*lp + kl_coeff*(r - 1 - log r),
+default kl_coeff 0.01,
 Schulman "Approximating KL divergence" (2020) for k1/k2/k3, Yao et al. 2025 for truncated IS.
 Advantages and reductions: tests/test_advantages.py; the other off-policy controls: tests/test_offpolicy.py.
 """
@@ -49,6 +51,7 @@ def naive_per_token(name: str, inputs: LossInputs) -> torch.Tensor:
             "ppo": -min(r * a, min(max(r, 0.8), 1.2) * a) * w,
             "cispo": -min(max(r, 0.0), 4.0) * lp * a * w,
             "dro": -(lp * a - 0.5 * 0.01 * (lp - q) ** 2) * w,
+            "stable_reinforce": (-a * lp + 0.01 * (r - 1 - (lp - q))) * w,
         }[name]
     return out
 
@@ -66,6 +69,8 @@ def naive_grad(name: str, inputs: LossInputs) -> torch.Tensor:
         return -r.clamp(0.0, 4.0) * a * w
     if name == "dro":
         return (-a + 0.01 * (lp - inputs.behaviour_logprobs)) * w
+    if name == "stable_reinforce":
+        return (-a + 0.01 * (r - 1)) * w
     clipped = ((a > 0) & (r > 1.2)) | ((a < 0) & (r < 0.8))  # ppo: the min picks the flat branch
     return torch.where(clipped, 0.0, -r * a * w)
 
@@ -85,7 +90,7 @@ def test_value_and_gradient_match_the_naive_reference(name: str, seed: int) -> N
 
 
 # cispo is left out on purpose: its stop-gradient makes the gradient differ from the value's derivative.
-@pytest.mark.parametrize("name", ["cross_entropy", "importance_sampling", "ppo", "dro"])
+@pytest.mark.parametrize("name", ["cross_entropy", "importance_sampling", "ppo", "dro", "stable_reinforce"])
 def test_gradcheck_float64(name: str) -> None:
     inputs = random_inputs(2, shape=(2, 3))
 
@@ -127,7 +132,7 @@ def test_on_policy_ppo_equals_importance_sampling() -> None:
     assert ppo.metrics["clip_fraction"] == 0.0 and ppo.metrics["ess"] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "dro"])
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "dro", "stable_reinforce"])
 @pytest.mark.parametrize("missing", ["behaviour_logprobs", "advantages"])
 def test_missing_rl_inputs_raise_naming_the_input(name: str, missing: str) -> None:
     with pytest.raises(ValueError, match=missing):
@@ -148,6 +153,40 @@ def test_dro_beta_and_zero_advantage_penalty() -> None:
     assert still.item() == pytest.approx(0.3)
     with pytest.raises(ValueError, match="beta"):
         LOSSES["dro"](inputs, LossParams(beta=-1.0))
+
+
+def test_stable_reinforce_kl_coeff_and_zero_advantage_penalty() -> None:
+    # One token, hand-computed: lp = -1, q = -2 (r = e), A = 0.5, w = 2, kl_coeff = 0.3:
+    # loss = (-A*lp + c*(r - 1 - log r)) * w = (0.5 + 0.3*(e - 2)) * 2; d/dlp = (-A + c*(r - 1)) * w.
+    lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    one = torch.ones((1, 1), dtype=torch.float64)
+    inputs = LossInputs(lp, 2 * one, -2 * one, 0.5 * one)
+    out = LOSSES["stable_reinforce"](inputs, LossParams(kl_coeff=0.3))
+    loss = out.per_token.sum()
+    assert loss.item() == pytest.approx((0.5 + 0.3 * (math.e - 2)) * 2)
+    assert torch.autograd.grad(loss, lp)[0].item() == pytest.approx((-0.5 + 0.3 * (math.e - 1)) * 2)
+    assert out.metrics["kl_sampler_k3"] == pytest.approx(math.e - 2)
+    # The KL term acts where A = 0 too, and vanishes on policy (r = 1) whatever kl_coeff is.
+    still = LOSSES["stable_reinforce"](replace(inputs, advantages=0 * one), LossParams(kl_coeff=0.3))
+    assert still.per_token.item() == pytest.approx(0.3 * (math.e - 2) * 2)
+    on_policy = replace(inputs, behaviour_logprobs=-1 * one)
+    assert LOSSES["stable_reinforce"](on_policy, LossParams(kl_coeff=5.0)).per_token.item() == pytest.approx(
+        1.0
+    )
+    # kl_coeff = 0 is plain REINFORCE, -A * lp.
+    plain = LOSSES["stable_reinforce"](inputs, LossParams(kl_coeff=0.0)).per_token
+    assert plain.item() == pytest.approx(1.0)
+    for bad in (-1.0, math.inf):
+        with pytest.raises(ValueError, match="kl_coeff"):
+            LOSSES["stable_reinforce"](inputs, LossParams(kl_coeff=bad))
+
+
+def test_stable_reinforce_on_policy_gradient_is_importance_samplings() -> None:
+    inputs = random_inputs(5)
+    on_policy = replace(inputs, behaviour_logprobs=inputs.logprobs.detach())
+    torch.testing.assert_close(
+        grad_of("stable_reinforce", on_policy), grad_of("importance_sampling", on_policy)
+    )
 
 
 def test_metrics_hand_computed() -> None:

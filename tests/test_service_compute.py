@@ -14,7 +14,14 @@ import torch
 from transformers import AutoTokenizer
 
 from inflight.api.compute import ServiceCompute, ServiceComputeConfig
-from inflight.api.job_types import Datum, ForwardBackwardJob, ForwardBackwardOutput, LoraSpec, OptimStep
+from inflight.api.job_types import (
+    Datum,
+    ForwardBackwardJob,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStep,
+    ProvenanceSpan,
+)
 from inflight.errors import UserError
 from inflight.models import load_model
 
@@ -283,6 +290,77 @@ def test_loss_values_match_the_tinker_formulas(engine, loss_fn, config, lo, hi):
     assert all(":" in key and key.count(":") == 1 for key in out.metrics)
 
 
+def _with_provenance(datum: Datum, prompt: int) -> Datum:
+    """The cookbook's provenance: the first `prompt` rows from the request's prompt, the rest sampled."""
+    n = len(datum.input_tokens)
+    datum.loss_fn_input_spans = [
+        ProvenanceSpan(False, "s-0", 1, prompt),
+        ProvenanceSpan(True, "s-0", 0, n - prompt),
+    ]
+    return datum
+
+
+def test_stable_reinforce_value_and_gradient_on_sampled_rows(engine):
+    """Reference: -A*lp + c*(r - 1 - log r) per sampled row (losses/policy.py's reading), 0 on prompt rows;
+    its gradient, -A + c*(r - 1), is what a cross_entropy job with those weights (forward_backward_custom's
+    surrogate) accumulates into an identical adapter."""
+    c, prompt = 0.2, 3
+    for name in ("sr", "ce"):
+        engine.create_adapter(name, "tiny", LoraSpec(rank=4, seed=0))
+        _train(engine, name, steps=1)
+    data, ce_data, expected = [], [], 0.0
+    for tokens in [_tokens(17, 21), _tokens(9, 22)]:
+        lp = _forward_logprobs(engine, "sr", tokens)
+        q, a = _ratio_inputs(lp)
+        q[:prompt], a[:prompt] = [0.0] * prompt, [0.0] * prompt  # the cookbook pads the prompt rows
+        data.append(_with_provenance(_datum(tokens, logprobs=q, advantages=a), prompt))
+        sampled = range(prompt, len(lp))
+        expected += sum(-a[i] * lp[i] + c * (math.exp(lp[i] - q[i]) - 1 - (lp[i] - q[i])) for i in sampled)
+        weights = [0.0] * prompt + [a[i] - c * (math.exp(lp[i] - q[i]) - 1) for i in sampled]
+        ce_data.append(_datum(tokens, weights=weights))
+    out = _ok(
+        engine.forward_backward([ForwardBackwardJob("sr", data, "stable_reinforce", {"kl_coeff": c})])[0]
+    )
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    assert out.metrics["kl_sampler_k3:mean"] > 0
+    assert all(v == 0 for d in out.loss_fn_outputs for v in d["elementwise_loss"][:prompt])
+    _ok(engine.forward_backward([ForwardBackwardJob("ce", ce_data, "cross_entropy")])[0])
+    surrogate = engine.adapter_gradients("ce")
+    for key, grad in engine.adapter_gradients("sr").items():
+        assert torch.count_nonzero(grad) > 0
+        torch.testing.assert_close(grad, surrogate[key], rtol=1e-4, atol=1e-6 * surrogate[key].abs().max())
+
+
+def test_stable_reinforce_needs_provenance_and_sampled_advantages(engine):
+    engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+    tokens = _tokens(9, 3)
+    plain = _rl_datum(tokens, seed=0)  # A = 0 on its 3 prompt rows
+    on_prompt = _with_provenance(_rl_datum(tokens, seed=0), prompt=4)  # row 3 has A != 0 but is a prompt row
+    short = _rl_datum(tokens, seed=0)
+    short.loss_fn_input_spans = [ProvenanceSpan(True, "s-0", 0, 5)]
+    jobs = [
+        ForwardBackwardJob("m", [_with_provenance(_rl_datum(tokens, seed=0), prompt=3)], "stable_reinforce"),
+        ForwardBackwardJob("m", [plain], "stable_reinforce"),
+        ForwardBackwardJob("m", [on_prompt], "stable_reinforce"),
+        ForwardBackwardJob("m", [short], "stable_reinforce"),
+        ForwardBackwardJob("m", [plain], "stable_reinforce", {"kl_coeff": -0.1}),
+        ForwardBackwardJob("m", [plain], "stable_reinforce", {"beta": 0.1}),
+    ]
+    messages = [
+        None,
+        "datum 0: loss 'stable_reinforce' needs provenance: loss_fn_input_spans",
+        "loss_fn_inputs['advantages'][3]",
+        "loss_fn_input_spans cover 5 rows but target_tokens has 8",
+        "loss_fn_config['kl_coeff'] must be >= 0",
+        "unknown keys ['beta']; it accepts kl_coeff",
+    ]
+    for result, message in zip(engine.forward_backward(jobs), messages, strict=True):
+        if message is None:
+            _ok(result)
+        else:
+            assert isinstance(result, UserError) and message in str(result), (message, result)
+
+
 def test_optim_step_equals_torch_adamw(engine):
     engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
     params = {k: v.clone().requires_grad_() for k, v in engine.adapter_weights("m").items()}
@@ -336,7 +414,8 @@ def test_bad_jobs_fail_alone_with_user_errors(engine):
     results = engine.forward_backward(jobs)
     messages = [
         None,
-        "unknown loss_fn 'nope'; this server supports: cross_entropy, importance_sampling, ppo, cispo, dro",
+        "unknown loss_fn 'nope'; this server supports: cross_entropy, importance_sampling, ppo, cispo, dro, "
+        "stable_reinforce",
         "not a token id",
         "has 2 values but model_input has 3 tokens",
         "needs loss_fn_inputs ['logprobs', 'advantages']",

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.trainer.types import Datum, ForwardBackwardJob, ForwardBackwardOutput, LoraSpec, OptimStep
+from inflight.trainer.types import (
+    Datum,
+    ForwardBackwardJob,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStep,
+    ProvenanceSpan,
+)
 
 __all__ = [
     "CsrLayout",
@@ -20,6 +27,7 @@ __all__ = [
     "LoraSpec",
     "OptimStep",
     "PromptTargets",
+    "ProvenanceSpan",
     "SampleJob",
     "SampleOutput",
     "SampledSequence",

@@ -219,11 +219,7 @@ def _csr_layout(name: str, tensor: TensorData, rows: int, width: int, nnz: int) 
 
 
 def _check_unsupported(request: SampleRequest) -> None:
-    if request.record_stability_info:
-        raise UserError(
-            "record_stability_info is not supported: it records data for the stable_reinforce loss, whose "
-            "objective (and so what to record) Tinker has not published and this server does not implement; "
-            "create the sampling client without record_stability_info"
-        )
+    # record_stability_info is accepted and records nothing: this server's stable_reinforce reads only the
+    # datums' logprobs, which the engine returns exactly (trainer/tinker_losses.py, `_sampled_rows`).
     if request.sampling_params.top_k == 0:
         raise UserError("top_k=0 keeps no token: use -1 for no top-k limit, or a positive k")

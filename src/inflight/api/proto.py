@@ -21,6 +21,7 @@ from inflight.api.job_types import (
     Datum,
     ForwardBackwardJob,
     ForwardBackwardOutput,
+    ProvenanceSpan,
     SampleOutput,
     TargetLogprobs,
 )
@@ -160,7 +161,41 @@ def _datum(index: int, datum: pb.Datum, vocab_size: int) -> Datum:
             inputs[key] = values.astype(np.float64).tolist()
     if "target_tokens" not in inputs:
         raise ProtoError(f"{where}.loss_fn_inputs has no 'target_tokens'")
-    return Datum(input_tokens=tokens.astype(np.int64).tolist(), loss_fn_inputs=inputs)
+    # Provenance comes as a pair (the SDK's Datum asserts it); each list must tile its field. The
+    # model_input spans are checked only: no loss reads them.
+    if bool(datum.model_input_spans) != bool(datum.loss_fn_input_spans):
+        raise ProtoError(
+            f"{where}: provenance comes as a pair: set model_input_spans and loss_fn_input_spans"
+        )
+    _spans(f"{where}.model_input_spans", datum.model_input_spans, tokens.size)
+    target_spans = _spans(f"{where}.loss_fn_input_spans", datum.loss_fn_input_spans, tokens.size)
+    return Datum(
+        input_tokens=tokens.astype(np.int64).tolist(),
+        loss_fn_inputs=inputs,
+        loss_fn_input_spans=target_spans or None,
+    )
+
+
+def _spans(where: str, spans: Sequence[pb.ProvenanceSpan], length: int) -> list[ProvenanceSpan]:
+    """The runs, checked: each names a sequence, none is negative, and together they cover `length` rows."""
+    decoded = []
+    for j, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise ProtoError(f"{where}[{j}] is empty: a span is prompt_tokens or sampled_tokens")
+        run = getattr(span, kind)
+        if not run.sequence_id or run.offset < 0 or run.length < 0:
+            raise ProtoError(
+                f"{where}[{j}] needs a sequence_id, offset >= 0 and length >= 0; got "
+                f"{run.sequence_id[:64]!r}, {run.offset}, {run.length}"
+            )
+        decoded.append(ProvenanceSpan(kind == "sampled_tokens", run.sequence_id, run.offset, run.length))
+    covered = sum(span.length for span in decoded)
+    if decoded and covered != length:
+        raise ProtoError(
+            f"{where} cover {covered} positions but the field has {length}; the runs must tile it"
+        )
+    return decoded
 
 
 def _input_tokens(where: str, datum: pb.Datum) -> np.ndarray:

@@ -24,6 +24,7 @@ from inflight.losses.policy import (
     CLIP_DEFAULTS,
     DRO_DEFAULT_BETA,
     LOSSES,
+    STABLE_REINFORCE_DEFAULT_KL_COEFF,
     LossFn,
     LossInputs,
     LossOutputs,
@@ -33,6 +34,7 @@ from inflight.losses.policy import (
     dro,
     importance_sampling,
     ppo,
+    stable_reinforce,
 )
 from inflight.losses.reductions import REDUCTIONS, Reduction, reduce_loss
 
@@ -46,6 +48,7 @@ __all__ = [
     "OFFPOLICY_DEFAULTS",
     "OFFPOLICY_KINDS",
     "REDUCTIONS",
+    "STABLE_REINFORCE_DEFAULT_KL_COEFF",
     "AdvantageMethod",
     "Correction",
     "KLEstimator",
@@ -70,6 +73,7 @@ __all__ = [
     "offpolicy_thresholds",
     "ppo",
     "reduce_loss",
+    "stable_reinforce",
     "step_gap_stats",
     "token_logprobs",
     "top_k_entropy_from_logits",

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from inflight.losses.importance import masked_mean, off_policy_stats, to_floats
+from inflight.losses.kl import kl_k3
 from inflight.losses.offpolicy import OFFPOLICY_CONTROLS, OffPolicyKind, offpolicy_thresholds
 
 # Per-loss defaults of Tinker's `loss_fn_config` ratio thresholds (reference/tinker-api.md §7.3).
@@ -20,6 +21,10 @@ CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.
 # DRO's quadratic-penalty coefficient when `loss_fn_config` has no "beta". Tinker's DRO page shows only a
 # custom value (0.05); 0.01 is the default of the published reference `dro_loss(loss_fn_inputs, config)`.
 DRO_DEFAULT_BETA = 0.01
+# stable_reinforce's KL coefficient when `loss_fn_config` has no "kl_coeff". Tinker publishes no default;
+# 0.01 gives the pull toward the sampler dro's default strength near q (both gradients are
+# coefficient * (lp - q) to first order), so switching between the two losses needs no retuning.
+STABLE_REINFORCE_DEFAULT_KL_COEFF = 0.01
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class LossParams:
     clip_low_threshold: float | None = None  # ratio threshold (not epsilon): ppo 0.8, cispo 0.0
     clip_high_threshold: float | None = None  # ratio threshold: ppo 1.2, cispo 4.0
     beta: float | None = None  # dro's penalty coefficient on (lp - q)^2; None = DRO_DEFAULT_BETA
+    kl_coeff: float | None = None  # stable_reinforce's KL(sampler || learner) weight; None = its default
     # Sampler-vs-trainer correction of the RL losses (`losses/offpolicy.py`); see `_anchor_logprobs`.
     # "none" keeps Tinker's losses exactly. Thresholds: None = the control's default.
     offpolicy: OffPolicyKind = "none"
@@ -84,6 +90,7 @@ class _PolicyTerms:
 
     ratio: Tensor  # [B,T] policy ratio r = exp(lp - anchor); carries grad
     log_ratio: Tensor  # [B,T] lp - anchor; carries grad
+    anchor: Tensor  # [B,T] detached log-probs the ratio is taken against: q, unless a correction is on
     advantages: Tensor  # [B,T]
     correction: Tensor | None  # [B,T] detached off-policy weights, or None when the loss is Tinker's exactly
     active: Tensor  # [B,T] bool, mask != 0
@@ -141,6 +148,7 @@ def _policy_terms(inputs: LossInputs, params: LossParams, loss_name: str) -> _Po
     return _PolicyTerms(
         ratio=torch.exp(log_ratio),
         log_ratio=log_ratio,
+        anchor=anchor,
         advantages=torch.where(active, advantages, 0.0),
         correction=weights,
         active=active,
@@ -223,10 +231,38 @@ def dro(inputs: LossInputs, params: LossParams) -> LossOutputs:
     return _finish(per_token, inputs, terms)
 
 
+def stable_reinforce(inputs: LossInputs, params: LossParams) -> LossOutputs:
+    """-lp * A + kl_coeff * (r - 1 - log r), r = exp(lp - q): REINFORCE plus KL(sampler || learner).
+
+    Tinker's objective is unpublished; this is a reading of what is public, not its formula. Tinker's
+    StableReinforce page (tinker-docs.thinkingmachines.ai/tinker/losses/stable-reinforce, alpha) calls it
+    "a REINFORCE variant that stays stable even when the sampling policy differs from the policy being
+    trained" (async RL, different numerics), computed from information the sampler records
+    (`record_stability_info`) and found through the datums' provenance; the `tinker` 0.38.0 SDK names its
+    config key, `kl_coeff` (`ForwardBackwardInput.loss_fn_config`), with no default; tinker-cookbook 0.6.1
+    (`rl/train.py`) says it "only accepts nonzero advantages on sampled tokens". Read as: the REINFORCE
+    surrogate -A * lp, whose gradient no importance ratio multiplies (bounded however stale the sample),
+    plus kl_coeff times k3 of KL(sampler || learner) on the sampler's tokens: r - 1 - log r (Schulman 2020,
+    `kl_k3` with the sampler as the policy) is >= 0, and both its value and its gradient, (r - 1) grad(lp),
+    are unbiased for KL(q || p) and its gradient, so it pulls the learner back toward the sampler. On policy
+    (r = 1) the gradient is importance_sampling's, -A grad(lp). Unlike the ratio losses it is not zero where
+    A = 0: the penalty acts on every unmasked token (the service keeps only sampled tokens in the mask).
+    """
+    kl_coeff = STABLE_REINFORCE_DEFAULT_KL_COEFF if params.kl_coeff is None else params.kl_coeff
+    if not (math.isfinite(kl_coeff) and kl_coeff >= 0):
+        raise ValueError(f"stable_reinforce needs a finite kl_coeff >= 0, got {kl_coeff}")
+    terms = _policy_terms(inputs, params, "stable_reinforce")
+    kl = kl_k3(terms.anchor, inputs.logprobs)  # r - 1 - log r
+    terms.stats["kl_sampler_k3"] = masked_mean(kl.detach().double(), terms.active)
+    per_token = -inputs.logprobs * terms.advantages + kl_coeff * kl
+    return _finish(per_token, inputs, terms)
+
+
 LOSSES: dict[str, LossFn] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,
     "cispo": cispo,
     "dro": dro,
+    "stable_reinforce": stable_reinforce,
 }

@@ -28,16 +28,15 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "ppo": _CLIP_KEYS,
     "cispo": _CLIP_KEYS,
     "dro": ("beta",),
+    "stable_reinforce": ("kl_coeff",),  # the key the tinker SDK names (ForwardBackwardInput.loss_fn_config)
 }
+# Penalty coefficients: any finite value >= 0.
+_PENALTY_KEYS = ("beta", "kl_coeff")
 # Losses whose per-token value and gradient vanish where A = 0, so those tokens may leave the mask
-# (see `loss_outputs`); dro's quadratic penalty does not vanish there.
+# (see `loss_outputs`); the penalties of dro and stable_reinforce do not vanish there.
 _ZERO_AT_ZERO_ADVANTAGE = frozenset({"importance_sampling", "ppo", "cispo"})
 # Tinker names the server does not run, with the reason the client is told.
 _REFUSED = {
-    "stable_reinforce": (
-        "its objective is not published: Tinker computes it from stability information its sampler records "
-        "(record_stability_info) and looks up through the datums' provenance spans"
-    ),
     "gspo": "not implemented on this server",
     "custom": "server-side custom losses (create_custom_loss) are not served; forward_backward_custom works",
 }
@@ -106,14 +105,16 @@ def loss_params(loss_fn: str, config: dict[str, float] | None) -> LossParams:
         clip_low_threshold=config.get("clip_low_threshold"),
         clip_high_threshold=config.get("clip_high_threshold"),
         beta=config.get("beta"),
+        kl_coeff=config.get("kl_coeff"),
     )
     if "clip_low_threshold" in allowed:
         try:
             params.clip_thresholds(loss_fn)
         except ValueError as exc:
             raise UserError(f"loss_fn_config: {exc}") from exc
-    if params.beta is not None and params.beta < 0:
-        raise UserError(f"loss_fn_config['beta'] must be >= 0 (a penalty), got {params.beta}")
+    for key in _PENALTY_KEYS:
+        if config.get(key, 0.0) < 0:
+            raise UserError(f"loss_fn_config[{key!r}] must be >= 0 (a penalty), got {config[key]}")
     return params
 
 
@@ -149,13 +150,46 @@ def _prepare_datum(index: int, datum: Datum, loss_fn: str, vocab_size: int, max_
             raise UserError(f"{where}: loss_fn_inputs[{key!r}][{i}] = {inputs[key][i]} is not finite")
         return values.float()
 
+    weights, advantages = floats("weights", 1.0), floats("advantages", 0.0)
+    if loss_fn == "stable_reinforce":
+        weights = weights * _sampled_rows(where, datum, advantages)
     return PreparedDatum(
         input_ids=_token_ids(f"{where}: model_input", datum.input_tokens, vocab_size),
         targets=_token_ids(f"{where}: target_tokens", inputs["target_tokens"], vocab_size),
-        weights=floats("weights", 1.0),
+        weights=weights,
         behaviour_logprobs=floats("logprobs", 0.0),
-        advantages=floats("advantages", 0.0),
+        advantages=advantages,
     )
+
+
+def _sampled_rows(where: str, datum: Datum, advantages: Tensor) -> Tensor:
+    """[T] 1.0 at the rows the datum's provenance attributes to sampled tokens, else 0.0.
+
+    stable_reinforce trains on sampled tokens only: Tinker needs provenance on every datum (tinker-cookbook
+    0.6.1 checks it before sending) and "only accepts nonzero advantages on sampled tokens" (its
+    rl/train.py). The sequence ids are not looked up: this server's reading of the loss needs nothing the
+    sampler recorded, only the datum's logprobs.
+    """
+    spans = datum.loss_fn_input_spans
+    if not spans:
+        raise UserError(
+            f"{where}: loss 'stable_reinforce' needs provenance: loss_fn_input_spans naming the sampled "
+            "sequence behind each target (Datum.with_provenance)"
+        )
+    sampled = torch.cat([torch.full((span.length,), float(span.sampled)) for span in spans])
+    if sampled.numel() != advantages.numel():
+        raise UserError(
+            f"{where}: loss_fn_input_spans cover {sampled.numel()} rows but target_tokens has "
+            f"{advantages.numel()}; the runs must tile it exactly"
+        )
+    outside = ((advantages != 0) & (sampled == 0)).nonzero()
+    if outside.numel():
+        i = int(outside[0])
+        raise UserError(
+            f"{where}: loss_fn_inputs['advantages'][{i}] = {float(advantages[i])} is on a prompt row; "
+            "stable_reinforce only accepts nonzero advantages on sampled tokens"
+        )
+    return sampled
 
 
 def _token_ids(where: str, values: Sequence[int | float], vocab_size: int) -> Tensor:
@@ -174,7 +208,8 @@ def loss_outputs(job: PreparedJob, logprobs: Tensor, rows: dict[str, Tensor]) ->
     For importance_sampling, ppo and cispo the mask is weights * (A != 0): where A = 0 (the prompt part of
     an RL datum, which the cookbook pads with q = 0) those losses are 0 with gradient 0 anyway, and leaving
     the tokens out keeps the ratio statistics about the tokens the loss uses. dro keeps them: its
-    penalty -beta/2 (lp - q)^2 is Tinker's on every token the weights keep.
+    penalty -beta/2 (lp - q)^2 is Tinker's on every token the weights keep. stable_reinforce's weights
+    already keep only the sampled rows (`_sampled_rows`), where its KL term acts whatever A is.
     """
     weights = rows["weights"]
     if job.job.loss_fn in _ZERO_AT_ZERO_ADVANTAGE:

@@ -25,6 +25,17 @@ class LoraSpec:
     target_modules: list[str] | None = None
 
 
+@dataclass(frozen=True)
+class ProvenanceSpan:
+    """One run of a datum's rows and where it came from (Tinker's Prompt/SampledProvenanceSpan): positions
+    [offset, offset + length) of the named sequence's sampled tokens, or of its request's prompt."""
+
+    sampled: bool  # True: the sequence's sampled tokens; False: its request's prompt
+    sequence_id: str  # the SampledSequence.sequence_id a sample answer gave
+    offset: int
+    length: int
+
+
 @dataclass
 class Datum:
     """Tinker's Datum after decoding."""
@@ -33,14 +44,17 @@ class Datum:
     # target_tokens, weights, logprobs, advantages: each flat [T] (len == len(input_tokens)). Position i of
     # target_tokens is predicted from input_tokens[:i+1]: the client pre-shifts, the trainer never does.
     loss_fn_inputs: dict[str, list[float] | list[int]]
+    # Provenance of the rows: consecutive runs tiling target_tokens (lengths sum to T), or None. Only
+    # stable_reinforce reads it (which rows were sampled); the model_input spans are checked and dropped.
+    loss_fn_input_spans: list[ProvenanceSpan] | None = None
 
 
 @dataclass
 class ForwardBackwardJob:
     model_id: str  # the adapter the job trains (or, with backward=False, reads)
     data: list[Datum]
-    loss_fn: str  # cross_entropy | importance_sampling | ppo | cispo
-    loss_fn_config: dict[str, float] | None = None  # ppo/cispo: clip_low_threshold, clip_high_threshold
+    loss_fn: str  # a name in inflight.losses.LOSSES (Tinker's)
+    loss_fn_config: dict[str, float] | None = None  # the loss's keys (tinker_losses.CONFIG_KEYS)
     backward: bool = True  # False: forward only (no gradient touched)
 
 
