@@ -1,14 +1,18 @@
-"""The service's compute: batched multi-adapter forward_backward vs the same requests one by one, and the
+"""The service's compute: batched multi-adapter forward_backward vs the same requests one by one, the
 per-request overhead of the HTTP API (the unmodified `tinker` SDK against an in-process server) over a
-direct in-process engine call.
+direct in-process engine call, and the cost of a checkpoint round trip through that server.
 
 Batched vs serial: N adapters (LoRA rank R) each send one forward_backward job of K datums of T tokens.
 "batched" runs all N jobs in one `ServiceCompute.forward_backward` call (one pass, each row with its own
 adapter); "serial" makes one call per job. Same engine, same jobs, same total work; best of --repeats
 after a warm-up, alternating. `ratio_batched_vs_serial` = serial seconds / batched seconds. The same
 comparison for sampling (one job of --samples sequences per adapter, through the service's sampler: the
-shared built-in engine on its own thread) is reported as `sample_ratio_batched_vs_serial`. Prints one JSON
-line last.
+shared built-in engine on its own thread) is reported as `sample_ratio_batched_vs_serial`.
+Checkpoint round trip (--checkpoint-round-trips, with the API part): a rank --rank adapter saved with the
+SDK's `save_weights_for_sampler` (`checkpoint_save_ms`), its archive fetched as a user does (the archive
+URL route, then a plain HTTP download and tar extraction: `checkpoint_download_ms`) and loaded with
+`peft.PeftModel.from_pretrained` onto a base model loaded beforehand (`checkpoint_peft_load_ms`); medians
+after a warm-up trip, and their sum `checkpoint_round_trip_ms`. Prints one JSON line last.
 Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64 --dtype auto]` (default model: the tiny
 preset, built locally; dtype as `inflight serve --dtype`, reported in the JSON).
 """
@@ -16,6 +20,7 @@ preset, built locally; dtype as `inflight serve --dtype`, reported in the JSON).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +28,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, get_args
 
@@ -74,7 +79,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
-        "--api-requests", type=int, default=10, help="timed requests through the API (0 = skip)"
+        "--api-requests", type=int, default=10, help="timed requests through the API (0 = skip the API part)"
+    )
+    parser.add_argument(
+        "--checkpoint-round-trips",
+        type=int,
+        default=3,
+        help="timed checkpoint round trips (save, download, load into peft) through the API (0 = skip)",
     )
     parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
     args = parser.parse_args(argv)
@@ -164,19 +175,28 @@ def main(argv: list[str] | None = None) -> dict:
         "timing": f"best of {args.repeats} after a warm-up, batched and serial alternating",
     }
     if args.api_requests > 0:
-        result.update(measure_api_overhead(compute, args.model, args.api_requests))
+        result.update(
+            measure_api(compute, args.model, args.api_requests, args.checkpoint_round_trips, args.rank)
+        )
     print(json.dumps(result))
     return result
 
 
-# ---- API overhead -----------------------------------------------------------------------------------------
+# ---- API overhead and checkpoint round trip -------------------------------------------------------------
 # The per-request cost of going through the service (SDK -> HTTP -> routes -> futures table -> worker ->
 # engine -> result -> long-poll) beyond the engine call itself: the same small forward request timed through
-# the unmodified `tinker` SDK against an in-process uvicorn on loopback, and as a direct engine call.
+# the unmodified `tinker` SDK against an in-process uvicorn on loopback, and as a direct engine call. The
+# same server then serves the checkpoint round trips.
+
+API_KEY = "tml-bench"
 
 
-def measure_api_overhead(compute: Any, model_dir: str, requests: int) -> dict[str, Any]:
-    """{"api_ms_per_request", "direct_ms_per_request", "api_overhead_ms"}, or {"api_error": why}."""
+def measure_api(compute: Any, model_dir: str, requests: int, round_trips: int, rank: int) -> dict[str, Any]:
+    """{"api_ms_per_request", "direct_ms_per_request", "api_overhead_ms"} and, with round_trips > 0, the
+    checkpoint_* keys; or {"api_error": why} in their place."""
+    import tinker
+    from tinker import types
+
     from inflight.api.job_types import Datum, ForwardBackwardJob, LoraSpec
 
     tokens = list(range(10, 42))
@@ -185,15 +205,85 @@ def measure_api_overhead(compute: Any, model_dir: str, requests: int) -> dict[st
         "api-direct", [Datum(tokens[:-1], {"target_tokens": tokens[1:]})], "cross_entropy", backward=False
     )
     direct = _median_ms(lambda: _check(compute.forward_backward([job])), requests)
+    result: dict[str, Any] = {"direct_ms_per_request": round(direct, 2)}
     try:
-        api = _api_ms(model_dir, tokens, requests)
+        with _in_process_service(model_dir) as url:
+            client = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+            training = client.create_lora_training_client(base_model="bench", rank=8, seed=0).result(
+                timeout=120
+            )
+            # The SDK turns plain lists into TensorData (as the cookbook's datums rely on).
+            targets: Any = tokens[1:]
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": targets}
+            )
+            api = _median_ms(lambda: training.forward([datum], "cross_entropy").result(timeout=60), requests)
+            result["api_ms_per_request"] = round(api, 2)
+            result["api_overhead_ms"] = round(api - direct, 2)
+            if round_trips > 0:
+                adapter = client.create_lora_training_client(base_model="bench", rank=rank, seed=0).result(
+                    timeout=120
+                )
+                result.update(measure_checkpoint_round_trip(adapter, url, model_dir, round_trips))
     except Exception as exc:  # the service is optional here: report why instead of failing the benchmark
-        return {"direct_ms_per_request": round(direct, 2), "api_error": f"{type(exc).__name__}: {exc}"[:300]}
+        result["api_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return result
+
+
+def measure_checkpoint_round_trip(
+    training: Any, url: str, model_dir: str, round_trips: int
+) -> dict[str, Any]:
+    """Median ms of each phase of save -> download -> load into peft, after one warm-up trip."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    phases: dict[str, list[float]] = {"save": [], "download": [], "peft_load": []}
+    archive_bytes = 0
+    base = AutoModelForCausalLM.from_pretrained(model_dir)  # the user's base model, loaded beforehand
+    for trip in range(round_trips + 1):
+        with tempfile.TemporaryDirectory(prefix="inflight-bench-serve-ckpt-") as into:
+            start = time.perf_counter()
+            path = training.save_weights_for_sampler(f"bench-{trip}").result(timeout=120).path
+            saved = time.perf_counter()
+            archive_bytes = _download_archive(url, path, Path(into))
+            downloaded = time.perf_counter()
+            adapted = PeftModel.from_pretrained(base, into)
+            loaded = time.perf_counter()
+            base = adapted.unload()  # the LoRA layers out again: the next trip starts from the bare base
+        if trip > 0:  # the first trip warms the routes, the imports and the file cache
+            phases["save"].append(1000 * (saved - start))
+            phases["download"].append(1000 * (downloaded - saved))
+            phases["peft_load"].append(1000 * (loaded - downloaded))
+    medians = {name: sorted(times)[len(times) // 2] for name, times in phases.items()}
     return {
-        "api_ms_per_request": round(api, 2),
-        "direct_ms_per_request": round(direct, 2),
-        "api_overhead_ms": round(api - direct, 2),
+        "checkpoint_save_ms": round(medians["save"], 2),
+        "checkpoint_download_ms": round(medians["download"], 2),
+        "checkpoint_peft_load_ms": round(medians["peft_load"], 2),
+        "checkpoint_round_trip_ms": round(sum(medians.values()), 2),
+        "checkpoint_archive_bytes": archive_bytes,
+        "checkpoint_round_trips": round_trips,
     }
+
+
+def _download_archive(url: str, tinker_path: str, into: Path) -> int:
+    """As a user fetches a checkpoint: GET its archive route (with the key) for a signed link, download that
+    link with plain urllib (no key), extract the tar. Returns the archive's size in bytes."""
+    import io
+    import tarfile
+    import urllib.request
+
+    from tinker import types
+
+    parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(tinker_path)
+    route = f"{url}/api/v1/training_runs/{parsed.training_run_id}/checkpoints/{parsed.checkpoint_id}/archive"
+    request = urllib.request.Request(route, headers={"X-API-Key": API_KEY})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        link = json.loads(response.read())["url"]
+    with urllib.request.urlopen(link, timeout=60) as response:
+        data = response.read()
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return len(data)
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -206,11 +296,10 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _api_ms(model_dir: str, tokens: list[int], requests: int) -> float:
-    """Median ms of `TrainingClient.forward(...).result()` through the SDK and an in-process server."""
-    import tinker
+@contextlib.contextmanager
+def _in_process_service(model_dir: str) -> Iterator[str]:
+    """`inflight serve`'s app on a free loopback port (uvicorn in a thread, SQLite); yields its base URL."""
     import uvicorn
-    from tinker import types
 
     from inflight.api.app import create_app
     from inflight.api.service import ServiceConfig
@@ -224,20 +313,13 @@ def _api_ms(model_dir: str, tokens: list[int], requests: int) -> float:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise TimeoutError("the in-process service did not start within 120 s")
-        time.sleep(0.05)
     try:
-        client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key="tml-bench")
-        training = client.create_lora_training_client(base_model="bench", rank=8, seed=0).result(timeout=120)
-        # The SDK turns plain lists into TensorData (as the cookbook's datums rely on).
-        targets: Any = tokens[1:]
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": targets}
-        )
-        return _median_ms(lambda: training.forward([datum], "cross_entropy").result(timeout=60), requests)
+        deadline = time.monotonic() + 120
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise TimeoutError("the in-process service did not start within 120 s")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

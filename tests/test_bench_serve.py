@@ -1,0 +1,42 @@
+"""`inflight bench serve` at its smallest settings on the tiny model: every headline key is reported and
+positive, the checkpoint round trip's included (save with the SDK, download through the archive URL, load
+into `peft`), and the round trip is the sum of its phases.
+
+Reference: issue 15's Benchmark section (the bench keeps its keys and adds the cost of a checkpoint round
+trip); the numbers themselves are measured alone and recorded in docs/benchmarks.md, not here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMALLEST = ["--adapters", "1", "--datums", "1", "--tokens", "8", "--rank", "4", "--samples", "1"]
+SMALLEST += ["--sample-tokens", "2", "--repeats", "1", "--api-requests", "1", "--checkpoint-round-trips", "1"]
+
+
+def test_smallest_run_reports_every_key(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))  # benchmarks/ lives beside src/, as `inflight bench` finds it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bench = importlib.import_module("benchmarks.serve")
+    result = bench.main([*SMALLEST, "--threads", "1", "--model", str(tiny_model_dir)])
+    assert "api_error" not in result, result["api_error"]
+    positive = [
+        "ratio_batched_vs_serial",
+        "sample_ratio_batched_vs_serial",
+        "api_ms_per_request",
+        "direct_ms_per_request",
+        "checkpoint_save_ms",
+        "checkpoint_download_ms",
+        "checkpoint_peft_load_ms",
+        "checkpoint_round_trip_ms",
+        "checkpoint_archive_bytes",
+    ]
+    assert all(result[key] > 0 for key in positive), {key: result[key] for key in positive}
+    assert "api_overhead_ms" in result  # a difference of two timings: its sign is the measurement's
+    phases = sum(result[f"checkpoint_{name}_ms"] for name in ("save", "download", "peft_load"))
+    assert result["checkpoint_round_trip_ms"] == pytest.approx(phases, abs=0.02)
