@@ -2,7 +2,8 @@
 
 (a) BlackJack (the `make run` recipe's settings, after its warm-up): the sync loop
     (`orchestrator/sync_loop.py`, both cores on each phase) against the pipeline (`mode=async`,
-    max_staleness_steps=2, one core for the engine thread and one for the trainer thread).
+    max_staleness_steps=2, one core for the engine thread here and one for the trainer, in a process
+    of its own by default: `pipeline.trainer_process`).
 (b) A latency task: 3 turns per episode, each environment reply taking 50-500 ms (uniform, an
     asyncio sleep standing for a remote environment or a tool), and long-tailed completion lengths
     (max_tokens per turn drawn from a Pareto law, 4..96). Its "sync" side is the same pipeline with
@@ -12,18 +13,21 @@
 
 Both sides of a pair start from the same weights and run the same number of steps; completions/s
 counts the trained rollouts over the wall time, and "reward after equal wall time" is each side's
-mean training reward over its last 5 steps finished before the faster side's end.
+mean training reward over its last 5 steps finished before the faster side's end. A trainer process's
+start (a few seconds, once per run, hidden behind a run's first evaluation) is not timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +37,14 @@ from inflight.config import GRPOConfig, PipelineConfig, RunConfig, SamplingConfi
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.pipeline import run_pipeline
 from inflight.orchestrator.run import train
-from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, pad_id
+from inflight.orchestrator.setup import build_engine, build_loop_trainer, load_policy, pad_id
 from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.target import resolve_target
 from inflight.orchestrator.task import Task, load_split
 from inflight.rollouts.api import RolloutContext
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import LossConfig, TrainerConfig
+from inflight.trainer.process import StepTrainer, TrainerProcess
 from inflight.types import Rollout, SamplingParams
 
 
@@ -103,6 +108,16 @@ def _reward_at(history: list[dict[str, float]], t_s: float) -> float:
     return round(statistics.fmean(done[-5:]), 4)
 
 
+@contextlib.contextmanager
+def _closing(trainer: StepTrainer) -> Iterator[None]:
+    """Stops a TrainerProcess's child when its side is done (its start, a few seconds, is not timed)."""
+    try:
+        yield
+    finally:
+        if isinstance(trainer, TrainerProcess):
+            trainer.close()
+
+
 def _pair(results: dict[str, dict[str, Any]], histories: dict[str, list]) -> float:
     t_equal = min(r["wall_s"] for r in results.values())
     for mode, r in results.items():
@@ -137,15 +152,13 @@ def blackjack(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         # Same work on both sides: uninformative groups are skipped, not re-drawn (the sync loop's rule).
         run_cfg.pipeline.active_sampling = False
         torch.set_num_threads(2)
+        trainer = build_loop_trainer(run_cfg, model, tokenizer)  # async: a process of its own (default)
         parts = LoopParts(
-            build_engine(run_cfg, model, tokenizer),
-            build_trainer(model, tokenizer, run_cfg.trainer, run_cfg.grpo.steps),
-            chat,
-            task,
-            load_split(task, "train"),
+            build_engine(run_cfg, model, tokenizer), trainer, chat, task, load_split(task, "train")
         )
         t0 = time.perf_counter()
-        histories[mode] = train(parts, run_cfg, MetricsLogger(tmp / f"bj-{mode}"), tmp / f"bj-{mode}")
+        with _closing(trainer):
+            histories[mode] = train(parts, run_cfg, MetricsLogger(tmp / f"bj-{mode}"), tmp / f"bj-{mode}")
         results[mode] = _summary(
             histories[mode], time.perf_counter() - t0, cfg.grpo.prompts_per_step * cfg.grpo.group_size
         )
@@ -173,17 +186,15 @@ def latency_task(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         model.load_state_dict(start)
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.pipeline.max_staleness_steps = staleness
+        trainer = build_loop_trainer(run_cfg, model, tokenizer)
         parts = LoopParts(
-            build_engine(run_cfg, model, tokenizer),
-            build_trainer(model, tokenizer, run_cfg.trainer, run_cfg.grpo.steps),
-            chat,
-            task,
-            load_split(task, "train"),
+            build_engine(run_cfg, model, tokenizer), trainer, chat, task, load_split(task, "train")
         )
         t0 = time.perf_counter()
-        histories[mode] = run_pipeline(
-            parts, run_cfg, MetricsLogger(tmp / f"lat-{mode}"), tmp / f"lat-{mode}"
-        )
+        with _closing(trainer):
+            histories[mode] = run_pipeline(
+                parts, run_cfg, MetricsLogger(tmp / f"lat-{mode}"), tmp / f"lat-{mode}"
+            )
         results[mode] = _summary(histories[mode], time.perf_counter() - t0, 64)
     ratio = _pair(results, histories)
     return {"ratio": ratio, **results}

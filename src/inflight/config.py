@@ -120,7 +120,10 @@ class PipelineConfig(_Config):
     # weights reach them through the filesystem transport (safetensors in RUN_DIR/weights, atomic rename).
     engine_urls: list[str] = Field(default_factory=list)
     batch_timeout_s: float = 600.0  # the trainer's wait for a full batch
-    torch_threads: int = 1  # per stage: the engine thread and the trainer thread each get a core
+    torch_threads: int = 1  # per stage: the engine thread and the trainer (thread or process) each get a core
+    # The trainer in a process of its own (trainer/process.py): its own GIL and core, the weights shared in
+    # memory. "auto": with an engine in this process on the CPU and at least 2 cores; false: a thread here.
+    trainer_process: bool | Literal["auto"] = "auto"
 
 
 class RayConfig(_Config):

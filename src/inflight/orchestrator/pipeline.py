@@ -1,6 +1,7 @@
 """The asynchronous GRPO pipeline: generation and training overlap, every token knows its weights.
 
-Dataflow (one process; the engine and the trainer each own a thread, rollouts share an asyncio loop):
+Dataflow (the engine owns a thread, rollouts share an asyncio loop, the trainer is driven by a thread and by
+default steps in a process of its own, `trainer/process.py`, training the shared weights in place):
 
     problems ──► admission ──► rollout workers (asyncio tasks, up to max_groups_in_flight groups)
                  buffer.admit()    │  task.generate_rollout(ctx, problem) x group_size (guard.py)
@@ -57,7 +58,6 @@ from inflight.orchestrator.remote_engine import RemoteEngines
 from inflight.orchestrator.sync_loop import LoopParts, rollout_metrics, sampling_params, to_train_samples
 from inflight.orchestrator.task import train_problem
 from inflight.rollouts.api import RolloutContext
-from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
 from inflight.trainer.lora_policy import ADAPTER_NAME
 from inflight.types import Completion, RolloutGroup, SampleRequest
 
@@ -119,7 +119,7 @@ class _Pipeline:
     # -- resume and checkpoints -------------------------------------------------------------------
     def _resume(self) -> int:
         """Restore the newest complete checkpoint if there is one; returns the step to start from."""
-        meta = resume_checkpoint(self.parts.trainer, self.run_dir / "checkpoint")
+        meta = self.parts.trainer.resume_checkpoint(self.run_dir / "checkpoint")
         if not meta:
             return 0
         saved = meta.get("pipeline")
@@ -164,8 +164,8 @@ class _Pipeline:
                 "read_offset": state.read_offset,
                 "in_flight": sorted(state.in_flight | set(state.reissue)),
             }
-        save_checkpoint(
-            self.parts.trainer, self.run_dir / "checkpoint", extra={"step": step, "pipeline": saved}
+        self.parts.trainer.save_checkpoint(
+            self.run_dir / "checkpoint", extra={"step": step, "pipeline": saved}
         )
 
     # -- stream -> buffer ---------------------------------------------------------------------------
@@ -309,8 +309,17 @@ class _Pipeline:
 
     # -- wiring ---------------------------------------------------------------------------------------
     def run(self, evaluate: Callable[[Driver], dict[str, float]] | None) -> list[dict[str, float]]:
-        # One core each for the engine thread and the trainer thread (torch's pool is process-wide).
+        # One core each for the engine thread and the trainer (torch's pool is process-wide: a trainer thread
+        # here shares it, a trainer process has its own of the same size). Restored at the end: what runs
+        # after the pipeline (the final evaluation) has the cores to itself again.
+        threads = torch.get_num_threads()
         torch.set_num_threads(self.cfg.pipeline.torch_threads)
+        try:
+            return self._run(evaluate)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(self, evaluate: Callable[[Driver], dict[str, float]] | None) -> list[dict[str, float]]:
         loop, trainer = self.loop, self.parts.trainer
         remote = isinstance(loop, RemoteEngines)
         if not remote:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from inflight.trainer import Trainer
 from inflight.trainer.lora_policy import ADAPTER_NAME
+from inflight.trainer.process import StepTrainer
 from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ class PolicyTarget(Protocol):
     def set_adapter(self, update: AdapterUpdate) -> None: ...
 
 
-def publish(target: PolicyTarget, trainer: Trainer) -> None:
+def publish(target: PolicyTarget, trainer: StepTrainer) -> None:
     """The trainer's current policy, tagged with its version: the adapter alone under LoRA (the engine's
     base weights never change then), else every weight."""
     if trainer.config.lora_rank:
@@ -37,7 +37,7 @@ def publish(target: PolicyTarget, trainer: Trainer) -> None:
         target.update_weights(WeightUpdate(trainer.version, trainer.weights()))
 
 
-def publish_initial(target: PolicyTarget, trainer: Trainer) -> None:
+def publish_initial(target: PolicyTarget, trainer: StepTrainer) -> None:
     """Everything an engine built elsewhere (a replica that loaded the model from disk) needs before the
     first request: under LoRA the frozen base (the warm-up changed it) and then the adapter, else the
     weights."""
@@ -46,7 +46,7 @@ def publish_initial(target: PolicyTarget, trainer: Trainer) -> None:
     publish(target, trainer)
 
 
-def policy_engine(engine: BuiltinEngine, trainer: Trainer) -> BuiltinEngine | AdapterPolicyEngine:
+def policy_engine(engine: BuiltinEngine, trainer: StepTrainer) -> BuiltinEngine | AdapterPolicyEngine:
     """The engine the loops drive: as it is for full-parameter training, else a view that samples with the
     policy adapter (published here first, so the first request finds it)."""
     if not trainer.config.lora_rank:

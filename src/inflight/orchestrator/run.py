@@ -28,14 +28,15 @@ from inflight.metrics.plot import plot_run
 from inflight.orchestrator.drivers import Driver, InlineDriver
 from inflight.orchestrator.evaluate import evaluate
 from inflight.orchestrator.publish import policy_engine, publish
-from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, make_run_dir, pad_id
+from inflight.orchestrator.setup import build_engine, build_loop_trainer, load_policy, make_run_dir, pad_id
 from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.sync_loop import train as train_sync
 from inflight.orchestrator.task import Task, load_split
 from inflight.orchestrator.task_warmup import task_warmup
 from inflight.orchestrator.warmup import format_warmup
 from inflight.rollouts.chat import ChatFormat
-from inflight.trainer.checkpoint import checkpoint_step, save_checkpoint
+from inflight.trainer.checkpoint import checkpoint_step
+from inflight.trainer.process import TrainerProcess
 
 
 def train(
@@ -70,7 +71,10 @@ def run(
         # Before any weights load: a damaged checkpoint fails now, in one line.
         first_step = checkpoint_step(run_dir / "checkpoint")
         # Closed however the run ends: a W&B run is finished, TensorBoard flushed.
-        with contextlib.closing(MetricsLogger(run_dir, cfg.metrics, cfg.model_dump())) as logger:
+        with contextlib.ExitStack() as stack:
+            logger = stack.enter_context(
+                contextlib.closing(MetricsLogger(run_dir, cfg.metrics, cfg.model_dump()))
+            )
             model, tokenizer = load_policy(cfg)
             chat = ChatFormat.for_model(tokenizer, model)
             # Also when resuming: the warm-up is deterministic, and the KL reference is the warmed-up model.
@@ -84,7 +88,9 @@ def run(
                 task_warmup(model, pad_id(tokenizer), task, train_problems, chat, cfg, logger)
             # The engine first: it copies the weights, and a LoRA trainer then wraps the model's layers.
             engine = build_engine(cfg, model, tokenizer)
-            trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
+            trainer = build_loop_trainer(cfg, model, tokenizer)  # the pipeline's may be a process of its own
+            if isinstance(trainer, TrainerProcess):
+                stack.callback(trainer.close)
             parts = LoopParts(policy_engine(engine, trainer), trainer, chat, task, train_problems)
 
             def test(driver: Driver, num_problems: int) -> dict[str, float]:
@@ -104,7 +110,7 @@ def run(
             if final:
                 logger.log(last_step, _test_metrics(final), phase="eval")
             if cfg.mode == "sync":  # the pipeline writes its own (with stream offsets and buffered groups)
-                save_checkpoint(trainer, run_dir / "checkpoint", extra={"step": last_step})
+                trainer.save_checkpoint(run_dir / "checkpoint", extra={"step": last_step})
 
             summary = build_summary(
                 cfg, task, run_dir, t0, first_step, history, len(test_problems), initial, final

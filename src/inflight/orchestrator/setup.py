@@ -12,8 +12,10 @@ import torch
 
 from inflight.config import RunConfig
 from inflight.errors import UserError
+from inflight.models.device import resolve_device
 from inflight.preflight import ensure_dir
 from inflight.trainer import Trainer, TrainerConfig
+from inflight.trainer.process import StepTrainer, TrainerProcess
 
 
 def cache_dir() -> Path:
@@ -64,10 +66,37 @@ def build_trainer(
     model: torch.nn.Module, tokenizer: object, config: TrainerConfig, run_steps: int | None = None
 ) -> Trainer:
     """`run_steps`: the run's optimizer steps, the span of a decaying lr left at lr_decay_steps=0."""
+    return Trainer(model, run_trainer_config(config, run_steps), pad_id=pad_id(tokenizer))
+
+
+def run_trainer_config(config: TrainerConfig, run_steps: int | None) -> TrainerConfig:
+    """`config` with a decaying lr's span (lr_decay_steps=0) set to the run's steps."""
     if config.lr_schedule != "constant" and not config.lr_decay_steps and run_steps is not None:
         # A run of 0 steps (evaluation only) never reads the schedule, but it must still be valid.
         config = config.model_copy(update={"lr_decay_steps": max(run_steps, 1)})
-    return Trainer(model, config, pad_id=pad_id(tokenizer))
+    return config
+
+
+def build_loop_trainer(cfg: RunConfig, model: torch.nn.Module, tokenizer: object) -> StepTrainer:
+    """The trainer the run's loop drives: `build_trainer`'s, in this process or (the pipeline's
+    `pipeline.trainer_process`) in a process of its own. Close a TrainerProcess when the run ends."""
+    if not trainer_in_process(cfg):
+        return build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
+    config = run_trainer_config(cfg.trainer, cfg.grpo.steps)
+    return TrainerProcess(model, config, pad_id(tokenizer), threads=cfg.pipeline.torch_threads)
+
+
+def trainer_in_process(cfg: RunConfig) -> bool:
+    """Whether the pipeline's trainer gets a process of its own (`pipeline.trainer_process`)."""
+    choice = cfg.pipeline.trainer_process
+    if choice != "auto":
+        return bool(choice) and cfg.mode == "async"
+    on_cpu = all(
+        resolve_device(device, key).type == "cpu"
+        for device, key in ((cfg.trainer.device, "trainer.device"), (cfg.engine.device, "engine.device"))
+    )
+    # Replicas elsewhere (pipeline.engine_urls) leave this process's GIL to the trainer already.
+    return cfg.mode == "async" and not cfg.pipeline.engine_urls and on_cpu and (os.cpu_count() or 1) >= 2
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: object):  # -> BuiltinEngine

@@ -39,8 +39,7 @@ from inflight.orchestrator.publish import publish
 from inflight.orchestrator.task import Problems, Task, train_problem
 from inflight.rollouts.api import GenerateFn, RolloutContext
 from inflight.rollouts.chat import ChatFormat
-from inflight.trainer import Trainer
-from inflight.trainer.checkpoint import resume_checkpoint, save_checkpoint
+from inflight.trainer.process import StepTrainer
 from inflight.types import Rollout, RolloutGroup, SamplingParams, TrainSample
 
 
@@ -49,7 +48,7 @@ class LoopParts:
     """What both loops (this one and `pipeline.py`) drive; built by `orchestrator.run`."""
 
     engine: Any  # a BuiltinEngine: this loop steps it between the rollouts, the pipeline in its own thread
-    trainer: Trainer
+    trainer: StepTrainer  # a Trainer, or the pipeline's TrainerProcess
     chat: ChatFormat
     task: Task
     problems: Problems  # the task's "train" split; problem k of the run is `train_problem(problems, k)`
@@ -128,7 +127,7 @@ def train(
     engine, trainer = parts.engine, parts.trainer
     driver = InlineDriver(engine)
     # Problem k is a function of k alone, so starting at the checkpoint's step repeats no problem.
-    first_step = int(resume_checkpoint(trainer, f"{run_dir}/checkpoint").get("step", 0))
+    first_step = int(trainer.resume_checkpoint(f"{run_dir}/checkpoint").get("step", 0))
     guard = RolloutGuard(cfg.rollout, cfg.grpo.prompts_per_step * cfg.grpo.group_size)
     groups_dropped = 0
     history: list[dict[str, float]] = []
@@ -172,5 +171,5 @@ def train(
             if evaluate and cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
                 logger.log(step + 1, evaluate(driver), phase="eval")
             if cfg.checkpoint_every_steps and (step + 1) % cfg.checkpoint_every_steps == 0:
-                save_checkpoint(trainer, f"{run_dir}/checkpoint", extra={"step": step + 1})
+                trainer.save_checkpoint(f"{run_dir}/checkpoint", extra={"step": step + 1})
     return history

@@ -19,14 +19,16 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError
 
 from inflight.errors import UserError
 from inflight.trainer.adapter_checkpoint import ADAPTER_FILE
 from inflight.trainer.policy import OPTIMIZER, WEIGHTS
-from inflight.trainer.trainer import Trainer
+
+if TYPE_CHECKING:  # trainer.py imports this module
+    from inflight.trainer.trainer import Trainer
 
 META = "trainer_state.json"
 _FILES_KEY = "files"  # in META: {file name: bytes}, the proof that the files beside it are whole

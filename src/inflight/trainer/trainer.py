@@ -11,6 +11,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +32,7 @@ from inflight.losses import (
 from inflight.losses.importance import to_floats
 from inflight.models.device import resolve_device
 from inflight.models.loader import native_bfloat16
+from inflight.trainer import checkpoint as checkpoints
 from inflight.trainer.batch_layout import MicroBatch, packing_is_exact, shared_prefixes_are_exact
 from inflight.trainer.config import TrainerConfig, lr_at
 from inflight.trainer.lora_policy import LoraPolicy
@@ -375,6 +378,14 @@ class Trainer:
         metrics["train_s"] = time.perf_counter() - t0
         metrics["train_tokens_per_s"] = sum(len(s.token_ids) for s in samples) / metrics["train_s"]
         return metrics
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
+        """Weights, optimizer and version to `path`, durably (`trainer/checkpoint.py`)."""
+        return checkpoints.save_checkpoint(self, path, extra)
+
+    def resume_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Load the newest complete checkpoint at `path`; its metadata, or {} when there is none."""
+        return checkpoints.resume_checkpoint(self, path)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The current full weights by Hugging Face name, detached (the engine copies what it keeps); under

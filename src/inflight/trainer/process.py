@@ -1,0 +1,219 @@
+"""A Trainer in a process of its own: the pipeline's trainer with its own interpreter, GIL and core.
+
+Why: in one process the pipeline's engine thread, its rollouts' event loop and its trainer thread take
+turns on one GIL, and on a 2-core machine the trainer then ran ~2x slower than alone on one core
+(docs/benchmarks.md, `inflight bench pipeline`). Here the trainer steps in a child process (started with
+`spawn`: forking a process that runs OpenMP threads is unsafe) while this process keeps the engine and the
+rollouts.
+
+The weights are not copied between the two: the model's tensors are moved into shared memory before the
+child starts, and the child trains that very storage in place. The parent reads them (`weights()`) only
+between steps, while the child waits for its next batch, so the engine never copies a half-updated model.
+Everything else (the optimizer's moments, the KL reference, a LoRA adapter) lives in the child, and the
+calls that need it (`adapter_update`, checkpoints) travel over a pipe. A child that dies or fails is
+reported in one line with its exit code or its error; no wait is unbounded.
+
+`TrainerProcess` has the `Trainer` methods the loops use (`StepTrainer`); `pipeline.trainer_process` chooses
+it (config.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.multiprocessing as mp
+
+from inflight.errors import UserError
+from inflight.trainer.config import TrainerConfig
+from inflight.trainer.trainer import Trainer
+from inflight.types import AdapterUpdate, TrainSample
+
+# What the parent may ask of the child's Trainer (anything else is refused, never getattr'd blindly).
+_CALLS = frozenset(
+    {"train_step", "weights", "base_weights", "adapter_update", "save_checkpoint", "resume_checkpoint"}
+)
+_START_TIMEOUT_S = 300.0  # spawning the interpreter and importing torch (seconds on a quiet machine)
+_POLL_S = 0.5  # how often a wait checks that the child is still alive
+
+
+class StepTrainer(Protocol):
+    """What the training loops and `orchestrator/publish.py` ask of a trainer, in this process or not."""
+
+    config: TrainerConfig
+    version: int
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]: ...
+
+    def weights(self) -> dict[str, torch.Tensor]: ...
+
+    def base_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def adapter_update(self) -> AdapterUpdate: ...
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path: ...
+
+    def resume_checkpoint(self, path: str | Path) -> dict[str, Any]: ...
+
+
+class TrainerProcessError(RuntimeError):
+    """The child failed a call (its traceback is in the message) or died."""
+
+
+class TrainerProcess:
+    """`Trainer(model, config, pad_id)` run in a child process; see the module docstring.
+
+    `model` stays usable here and always holds the trainer's current weights between two calls; under
+    LoRA the child wraps its own view of the layers, so here the model keeps the frozen base. `threads`:
+    the child's torch threads. Close it (or use it as a context manager) to stop the child.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, config: TrainerConfig, pad_id: int = 0, threads: int = 1
+    ) -> None:
+        if any(p.device.type != "cpu" for p in model.parameters()):
+            raise UserError(
+                "pipeline.trainer_process shares CPU memory: set it to false to train a model on a GPU"
+            )
+        self.config = config
+        self.version = 0
+        self._model = model
+        model.share_memory()  # the child's parameters are these tensors, not a copy
+        context = mp.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_serve,
+            args=(model, config, pad_id, threads, child_conn),
+            name="inflight-trainer",
+            daemon=True,  # never outlives this process
+        )
+        self._process.start()
+        child_conn.close()
+        self._wait("start", _START_TIMEOUT_S)
+
+    # -- the Trainer's methods ----------------------------------------------------------------------------
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        metrics, self.version = self._call("train_step", list(samples))
+        return metrics
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The current full weights by Hugging Face name. Full-parameter training: the shared tensors
+        themselves (no copy; valid until the next `train_step`); LoRA: the merged weights, computed there."""
+        if self.config.lora_rank:
+            return self._call("weights")[0]
+        return {name: t.detach() for name, t in self._model.state_dict().items()}
+
+    def base_weights(self) -> dict[str, torch.Tensor]:
+        return self._call("base_weights")[0]
+
+    def adapter_update(self) -> AdapterUpdate:
+        return self._call("adapter_update")[0]
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
+        return self._call("save_checkpoint", Path(path), extra)[0]
+
+    def resume_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        meta, self.version = self._call("resume_checkpoint", Path(path))
+        return meta
+
+    # -- the pipe -----------------------------------------------------------------------------------------
+    def _call(self, name: str, *args: Any) -> tuple[Any, int]:
+        """(the child's return value, its trainer's version after the call)."""
+        if not self._process.is_alive():
+            raise TrainerProcessError(self._died("before `" + name + "`"))
+        self._conn.send((name, args))
+        return self._wait(name, None)
+
+    def _wait(self, name: str, timeout_s: float | None) -> Any:
+        """The child's answer to `name`. A training step has no deadline of its own (the pipeline's own
+        bounds apply), but a dead child is noticed within _POLL_S."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._conn.poll(_POLL_S):
+            if not self._process.is_alive():
+                raise TrainerProcessError(self._died(f"during `{name}`"))
+            if deadline is not None and time.monotonic() > deadline:
+                self.close()
+                raise TrainerProcessError(
+                    f"the trainer process did not answer `{name}` within {timeout_s:.0f} s"
+                )
+        try:
+            ok, value = self._conn.recv()
+        except (EOFError, OSError):
+            raise TrainerProcessError(self._died(f"during `{name}`")) from None
+        if not ok:
+            if isinstance(value, UserError):
+                raise value
+            raise TrainerProcessError(f"the trainer process failed `{name}`:\n{value}")
+        return value
+
+    def _died(self, when: str) -> str:
+        self._process.join(timeout=1.0)
+        return (
+            f"the trainer process (pid {self._process.pid}) died {when} with exit code "
+            f"{self._process.exitcode} (a negative code is the signal that killed it: -9 is often the "
+            "kernel's out-of-memory killer)"
+        )
+
+    def close(self) -> None:
+        """Stop the child (it finishes the call it is in, if any, within a few seconds, or is killed)."""
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
+            self._process.join(timeout=5.0)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout=5.0)
+        self._conn.close()
+
+    def __enter__(self) -> TrainerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve(
+    model: torch.nn.Module,
+    config: TrainerConfig,
+    pad_id: int,
+    threads: int,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """The child: build the Trainer over the shared model, then answer calls until told to stop."""
+    torch.set_num_threads(threads)
+    try:
+        trainer = Trainer(model, config, pad_id=pad_id)
+    except BaseException as e:
+        conn.send(_failure(e))
+        return
+    conn.send((True, None))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if message is None:
+            return
+        name, args = message
+        try:
+            if name not in _CALLS:
+                raise ValueError(f"unknown call {name!r}")
+            answer: tuple[bool, Any] = (True, (getattr(trainer, name)(*args), trainer.version))
+        except BaseException as e:
+            answer = _failure(e)
+        try:
+            conn.send(answer)
+        except OSError:  # the parent died during the call
+            return
+
+
+def _failure(error: BaseException) -> tuple[bool, str | UserError]:
+    """What the parent raises: a UserError as it is (its one line names the problem and the fix), anything
+    else with the child's traceback."""
+    return (False, error) if isinstance(error, UserError) else (False, traceback.format_exc())

@@ -1,0 +1,147 @@
+"""The pipeline's trainer in a process of its own (`trainer/process.py`): the same steps as the Trainer in
+this process, the weights shared in memory, checkpoints through the child, LoRA, and a child that fails
+or dies reported in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight.config import RunConfig
+from inflight.errors import UserError
+from inflight.models import load_model
+from inflight.orchestrator.setup import trainer_in_process
+from inflight.trainer import LossConfig, Trainer, TrainerConfig
+from inflight.trainer.process import TrainerProcess, TrainerProcessError
+from test_trainer import make_grouped_samples
+
+VOCAB = 2048
+
+
+def _config(lora_rank: int = 0) -> TrainerConfig:
+    # The KL term exercises the child's own frozen reference; the entropy bonus one more path.
+    loss = LossConfig(name="ppo", kl_coef=0.1, kl_estimator="exact_ref", entropy_coef=0.1)
+    return TrainerConfig(lr=1e-3, lora_rank=lora_rank, loss=loss)
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        torch.testing.assert_close(b[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.fixture
+def one_thread() -> object:
+    # The child runs one torch thread; this process too, so both compute the same sums in the same order.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_steps_in_a_child_equal_steps_here_and_the_weights_are_shared(
+    tiny_model_dir: Path, one_thread: object
+) -> None:
+    samples = [make_grouped_samples(3, 4, VOCAB, seed=s) for s in range(3)]
+    here = Trainer(load_model(tiny_model_dir), _config())
+    model = load_model(tiny_model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with TrainerProcess(model, _config(), threads=1) as child:
+        for batch in samples:
+            expected, got = here.train_step(batch), child.train_step(batch)
+            for key in ("loss", "grad_norm", "kl", "entropy", "clip_fraction"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+        assert child.version == here.version == 3
+        # This process's model *is* the child's: it moved, exactly as the in-process trainer's did.
+        _assert_same_weights(here.weights(), {k: v for k, v in model.state_dict().items()})
+        _assert_same_weights(here.weights(), child.weights())
+        assert not torch.equal(before["lm_head.weight"], model.state_dict()["lm_head.weight"])
+
+
+def test_a_checkpoint_written_by_the_child_resumes_with_its_optimizer(
+    tiny_model_dir: Path, tmp_path: Path, one_thread: object
+) -> None:
+    first, second = make_grouped_samples(3, 4, VOCAB, seed=1), make_grouped_samples(3, 4, VOCAB, seed=2)
+    with TrainerProcess(load_model(tiny_model_dir), _config(), threads=1) as child:
+        child.train_step(first)
+        child.save_checkpoint(tmp_path / "ckpt", extra={"step": 1})
+        child.train_step(second)
+        continued = child.weights()
+        continued = {k: v.clone() for k, v in continued.items()}
+    # Written in the checkpoint format the in-process trainer reads.
+    here = Trainer(load_model(tiny_model_dir), _config())
+    assert here.resume_checkpoint(tmp_path / "ckpt")["step"] == 1 and here.version == 1
+    with TrainerProcess(load_model(tiny_model_dir), _config(), threads=1) as resumed:
+        assert resumed.resume_checkpoint(tmp_path / "ckpt")["step"] == 1 and resumed.version == 1
+        resumed.train_step(second)  # the same step as the first child's, optimizer moments included
+        _assert_same_weights(continued, resumed.weights())
+        assert resumed.resume_checkpoint(tmp_path / "absent") == {}
+
+
+def test_lora_in_a_child_publishes_the_adapter_of_the_in_process_trainer(
+    tiny_model_dir: Path, one_thread: object
+) -> None:
+    batch = make_grouped_samples(3, 4, VOCAB, seed=3)
+    here = Trainer(load_model(tiny_model_dir), _config(lora_rank=4))
+    model = load_model(tiny_model_dir)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    with TrainerProcess(model, _config(lora_rank=4), threads=1) as child:
+        here.train_step(batch)
+        child.train_step(batch)
+        expected, got = here.adapter_update(), child.adapter_update()
+        assert got.version == expected.version == 1 and got.name == expected.name
+        _assert_same_weights(expected.tensors, got.tensors)
+        _assert_same_weights(here.weights(), child.weights())  # merged, computed in the child
+        _assert_same_weights(base, child.base_weights())  # the base stays frozen
+        _assert_same_weights(base, {k: v for k, v in model.state_dict().items()})
+
+
+def test_a_failing_call_raises_here_with_the_childs_traceback_and_the_child_goes_on(
+    tiny_model_dir: Path,
+) -> None:
+    with TrainerProcess(load_model(tiny_model_dir), _config(), threads=1) as child:
+        with pytest.raises(TrainerProcessError, match=r"failed `train_step`:\n(.|\n)*Traceback"):
+            child.train_step(["not a sample"])  # type: ignore[list-item]
+        assert child.version == 0
+        metrics = child.train_step(make_grouped_samples(2, 2, VOCAB))
+        assert child.version == 1 and metrics["num_samples"] == 6
+
+
+def test_a_user_error_in_the_child_is_the_same_one_line(tiny_model_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (the error is trainer.device=cuda on a CPU machine)")
+    config = TrainerConfig(device="cuda")
+    with pytest.raises(UserError) as raised:
+        Trainer(load_model(tiny_model_dir), config)
+    with pytest.raises(UserError) as from_child:
+        TrainerProcess(load_model(tiny_model_dir), config, threads=1)
+    assert str(from_child.value) == str(raised.value)
+
+
+def test_a_child_that_dies_is_reported_with_its_exit_code(tiny_model_dir: Path) -> None:
+    child = TrainerProcess(load_model(tiny_model_dir), _config(), threads=1)
+    try:
+        os.kill(child._process.pid, signal.SIGKILL)  # as the kernel's out-of-memory killer would
+        child._process.join(timeout=10)
+        with pytest.raises(TrainerProcessError, match=r"died before `train_step` with exit code -9"):
+            child.train_step(make_grouped_samples(2, 2, VOCAB))
+    finally:
+        child.close()
+
+
+def test_auto_gives_the_pipeline_a_trainer_process_on_a_multicore_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert trainer_in_process(RunConfig(mode="async"))
+    assert not trainer_in_process(RunConfig(mode="sync"))  # the sync loop gives each phase both cores
+    remote = RunConfig(mode="async", pipeline={"engine_urls": ["http://127.0.0.1:1"]})
+    assert not trainer_in_process(remote)  # no engine in this process to share a GIL with
+    assert not trainer_in_process(RunConfig(mode="async", pipeline={"trainer_process": False}))
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert not trainer_in_process(RunConfig(mode="async"))
+    assert trainer_in_process(RunConfig(mode="async", pipeline={"trainer_process": True}))
