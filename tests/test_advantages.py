@@ -4,10 +4,14 @@ References: GRPO (Shao et al. 2024, arXiv:2402.03300), RLOO (Ahmadian et al. 202
 Dr.GRPO (Liu et al. 2025, arXiv:2503.20783), the Tinker cookbook's mean-centred advantages and sums.
 """
 
+import random
+
 import pytest
 import torch
 
 from inflight.losses import ADVANTAGE_METHODS, batch_group_advantages, group_advantages, reduce_loss
+from inflight.orchestrator.sync_loop import to_train_samples
+from inflight.types import Rollout, RolloutGroup
 
 
 def test_mean_centres_the_group() -> None:
@@ -87,3 +91,25 @@ def test_reductions_hand_computed() -> None:
         reduce_loss(per_token, mask, "constant")
     with pytest.raises(ValueError, match="unknown reduction"):
         reduce_loss(per_token, mask, "median")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method", ["mean", "mean_std", "leave_one_out", "dr_grpo"])
+def test_train_samples_of_groups_of_several_sizes_get_each_groups_own_advantages(method: str) -> None:
+    rng = random.Random(0)
+
+    def rollout(reward: float) -> Rollout:
+        return Rollout([1, 2, 3], [False, True, True], [0.0, -0.5, -0.7], [-1, 0, 0], reward)
+
+    # Groups of several sizes (failed rollouts are left out of a group), interleaved, and an all-equal one.
+    sizes = [8, 3, 8, 2]
+    groups = [
+        RolloutGroup(str(k), [rollout(rng.choice([0.0, 0.5, 1.0])) for _ in range(n)])
+        for k, n in enumerate(sizes)
+    ]
+    groups.append(RolloutGroup("equal", [rollout(1.0) for _ in range(4)]))
+    samples = to_train_samples(groups, method)
+    assert len(samples) == sum(len(g.rollouts) for g in groups)
+    expected = [float(a) for g in groups for a in group_advantages(torch.tensor(g.rewards), method)]
+    got = [s.advantages[1] for s in samples]  # every generated token carries its rollout's advantage
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    assert all(s.advantages[0] == 0.0 for s in samples)  # the prompt token is not trained
