@@ -16,6 +16,7 @@ import pytest
 from inflight.api.db import Database, sqlite_url
 from inflight.api.futures import (
     RESTART_ERROR,
+    Future,
     FutureStateError,
     FutureStore,
     RequestType,
@@ -202,6 +203,50 @@ def test_restart_keeps_results_and_fails_running_futures(tmp_path: Path) -> None
     assert _claim_all(reopened) == [4]
     assert int(fresh.request_id) > max(int(f.request_id) for f in futures)
     second.close()
+
+
+def test_an_accepted_request_and_a_result_are_committed_before_they_are_returned(tmp_path: Path) -> None:
+    """What a route acknowledges (and what a long-poll is handed in memory) is already on disk: another
+    connection sees it. `on_inserted` runs before the commit (the long-polls' board relies on that to learn
+    of a future before anything can finish it), so it sees nothing yet."""
+    url = sqlite_url(tmp_path / "service.db")
+    writer, reader = Database(url), Database(url)
+    store, other = FutureStore(writer), FutureStore(reader)
+    seen_while_inserting: list[int] = []
+
+    def on_inserted(future: Future) -> None:
+        seen_while_inserting.append(other.unfinished_count(M))
+
+    accepted = store.submit(M, 0, FWD_BWD, b"x", on_inserted=on_inserted)
+    assert seen_while_inserting == [0]
+    assert other.get(accepted.request_id) == accepted
+    claimed = store.claim_next(M)
+    assert claimed is not None and other.get(claimed.request_id).status == "running"
+    done = store.complete(claimed.request_id, b"result")
+    assert other.get(done.request_id) == done and done.result_payload == b"result"
+    writer.close()
+    reader.close()
+
+
+def test_a_seq_id_far_ahead_is_refused_and_never_recorded(store: FutureStore) -> None:
+    store.submit(M, 0, FWD_BWD, b"a", max_seq_ahead=4)
+    with pytest.raises(UserError, match="seq_id 5 for 's1:train:0' is too far ahead"):
+        store.submit(M, 5, FWD_BWD, b"b", max_seq_ahead=4)
+    assert store.max_seq_id(M) == 0
+    assert store.submit(M, 4, FWD_BWD, b"c", max_seq_ahead=4).seq_id == 4
+    assert store.submit(M, 4, FWD_BWD, b"c", max_seq_ahead=0).seq_id == 4  # a retry is never "ahead"
+
+
+def test_a_claim_says_whether_more_is_queued_behind_its_heads(store: FutureStore) -> None:
+    store.submit(M, 0, FWD_BWD, b"a")
+    store.submit(M, 1, FWD_BWD, b"b")
+    store.submit("s1:train:1", 0, FWD_BWD, b"c")
+    first = store.claim_ready()
+    assert [f.model_id for f in first.futures] == [M, "s1:train:1"] and first.more_queued
+    store.complete(first.futures[0].request_id, b"")
+    second = store.claim_ready()
+    assert [f.seq_id for f in second.futures] == [1] and not second.more_queued
+    assert store.claim_ready().futures == []
 
 
 def test_fail_pending_drains_one_model(store: FutureStore) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import sys
 import threading
 import time
@@ -282,9 +281,7 @@ class BackgroundServer:
         import uvicorn
 
         self.app = app
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, 0))
+        self._socket = bind_port(host, 0)  # as `serve` binds (Nagle's algorithm off: see bind_port)
         self.port: int = self._socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self._server: uvicorn.Server = uvicorn.Server(

@@ -22,9 +22,10 @@ def submit(
     check: Callable[[], object] | None = None,
 ) -> Future:
     """Queue a request. A `check` that raises UserError records the request as failed (category user)
-    instead: the SDK has already counted its seq_id, so leaving a hole would stall every later request."""
-    if request_type.ordered:
-        _check_seq_window(state, model_id, seq_id)
+    instead: the SDK has already counted its seq_id, so leaving a hole would stall every later request.
+    Either way the row is committed before this returns, so an acknowledged request survives a restart."""
+    # An ordered seq_id far above the model's highest is surely a client bug: refused, and never recorded.
+    max_seq_ahead = state.config.max_seq_id_ahead if request_type.ordered else None
     error: str | None = None
     if check is not None:
         try:
@@ -32,19 +33,18 @@ def submit(
         except UserError as err:
             error = str(err)
     if error is not None:
-        future = state.store.reject(model_id, seq_id, request_type, payload, error)
+        future = state.store.reject(
+            model_id, seq_id, request_type, payload, error, max_seq_ahead=max_seq_ahead
+        )
     else:
-        future = state.store.submit(model_id, seq_id, request_type, payload)
-        state.wake()
+        future = state.store.submit(
+            model_id,
+            seq_id,
+            request_type,
+            payload,
+            max_seq_ahead=max_seq_ahead,
+            on_inserted=state.board.accepted,
+        )
+        state.wake(request_type)
     annotate_future(future)
     return future
-
-
-def _check_seq_window(state: ServiceState, model_id: str, seq_id: int) -> None:
-    highest = state.store.max_seq_id(model_id)
-    limit = (highest or 0) + state.config.max_seq_id_ahead
-    if seq_id > limit:
-        raise UserError(
-            f"seq_id {seq_id} for {model_id!r} is too far ahead (highest so far: {highest}); the SDK numbers "
-            "each model's requests 1, 2, 3, ... and the server runs them in that order"
-        )

@@ -1,9 +1,10 @@
 """retrieve_future: the long-poll every SDK call ends in (spec §3); cancel_future: the SDK's stop of a
 sample it abandoned (a pending one never runs, a running one leaves the engine at its next step).
 
-Hold a pending future up to `long_poll_hold_s` (~25 s, below the SDK's 45 s timeout), waking as soon as the
-worker finishes it, then answer `try_again` (the SDK re-polls at once). Results go out as stored: protobuf
-for forward/forward_backward/sample, JSON for the rest; a failure is HTTP 200 + {"error", "category"}.
+Hold a pending future up to `long_poll_hold_s` (~25 s, below the SDK's 45 s timeout) and answer as soon as
+the worker has committed its result (handed over in memory, not read back), else `try_again` (the SDK
+re-polls at once). Results go out as stored: protobuf for forward/forward_backward/sample, JSON for the
+rest; a failure is HTTP 200 + {"error", "category"}.
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ async def retrieve_future(body: FutureRetrieveRequest, state: StateDep) -> Respo
     annotate(request_id=body.request_id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.config.long_poll_hold_s
-    with state.board.watch(body.request_id) as finished:
+    with state.board.watch(body.request_id) as waiter:
+        # A future this process accepted and has not finished is known without a read; the first time only,
+        # so the re-reads below stay the backstop should a wake-up ever be missed.
+        accepted = state.board.pending(body.request_id)
         while True:
-            finished.clear()  # before the read: a finish after it sets the event again
-            future = await run_in_threadpool(state.store.get, body.request_id)
+            waiter.event.clear()  # before the read: a finish after it sets the event again
+            # The worker hands over the future it just committed: answered without reading it back.
+            future = waiter.finished or accepted
+            if future is None:
+                future = await run_in_threadpool(state.store.get, body.request_id)
+            accepted = None
             annotate_future(future)
             if future.finished:
                 return _answer(future)
@@ -49,7 +57,7 @@ async def retrieve_future(body: FutureRetrieveRequest, state: StateDep) -> Respo
             if remaining <= 0:
                 return JSONResponse(TryAgainResponse(request_id=future.request_id).model_dump(mode="json"))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(finished.wait(), min(remaining, RECHECK_S))
+                await asyncio.wait_for(waiter.event.wait(), min(remaining, RECHECK_S))
 
 
 @router.post("/cancel_future")
@@ -61,7 +69,7 @@ def cancel_future(body: CancelFutureRequest, state: StateDep) -> dict[str, str]:
     future = state.store.cancel(body.request_id)
     annotate_future(future)
     state.cancel_sample(future.request_id)
-    state.board.notify(future.request_id)  # long-polls answer the cancellation at once
+    state.board.notify(future.request_id, future)  # long-polls answer the cancellation at once
     return {"request_id": future.request_id, "status": "cancelled"}
 
 

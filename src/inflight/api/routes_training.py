@@ -55,7 +55,7 @@ def create_model(body: CreateModelRequest, state: StateDep) -> UntypedAPIFuture:
     future = state.store.submit(
         new_id, FIRST_SEQ_ID, RequestType.CREATE_MODEL, body.model_dump_json().encode()
     )
-    state.wake()
+    state.wake(RequestType.CREATE_MODEL)
     annotate_future(future)
     return future_response(future)
 
@@ -107,7 +107,7 @@ def _submit_json_pass(state: ServiceState, body: bytes, *, forward_only: bool = 
         errors = err.errors(include_url=False, include_input=False)
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
     inputs = parsed.forward_input if isinstance(parsed, ForwardJsonRequest) else parsed.forward_backward_input
-    state.model(parsed.model_id)
+    state.model_base(parsed.model_id)
     try:
         proto_body = forward_backward_from_json(
             parsed.model_id, parsed.seq_id, inputs, forward_only=forward_only
@@ -128,7 +128,7 @@ def _submit_json_pass(state: ServiceState, body: bytes, *, forward_only: bool = 
 def _submit_pass(state: ServiceState, body: bytes) -> UntypedAPIFuture:
     message = parse_forward_backward(body)
     header = forward_backward_header(message)
-    limits = state.base_model(state.model(header.model_id).base_model).limits
+    limits = state.base_model(state.model_base(header.model_id)).limits
     request_type = RequestType.FORWARD if header.forward_only else RequestType.FORWARD_BACKWARD
     future = submit(
         state,
@@ -143,7 +143,7 @@ def _submit_pass(state: ServiceState, body: bytes) -> UntypedAPIFuture:
 
 @router.post("/optim_step")
 def optim_step(body: OptimStepRequest, state: StateDep) -> UntypedAPIFuture:
-    state.model(body.model_id)
+    state.model_base(body.model_id)
     payload = body.model_dump_json().encode()
     future = submit(
         state,
@@ -158,7 +158,7 @@ def optim_step(body: OptimStepRequest, state: StateDep) -> UntypedAPIFuture:
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeightsRequest, state: StateDep) -> UntypedAPIFuture:
-    state.model(body.model_id)
+    state.model_base(body.model_id)
     payload = body.model_dump_json().encode()
 
     def check() -> None:
@@ -171,7 +171,7 @@ def save_weights(body: SaveWeightsRequest, state: StateDep) -> UntypedAPIFuture:
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, state: StateDep) -> UntypedAPIFuture:
-    state.model(body.model_id)
+    state.model_base(body.model_id)
     payload = body.model_dump_json().encode()
 
     def check() -> None:
@@ -204,7 +204,7 @@ def load_weights(body: LoadWeightsRequest, state: StateDep) -> UntypedAPIFuture:
         new_id = model_id(body.session_id, body.model_seq_id)
         _ensure_model_row(state, new_id, body.session_id, body.model_seq_id, source.base_model, lora)
         future = state.store.submit(new_id, FIRST_SEQ_ID, RequestType.LOAD_WEIGHTS, payload)
-        state.wake()
+        state.wake(RequestType.LOAD_WEIGHTS)
         annotate_future(future)
         return future_response(future)
     if body.model_id is None or body.seq_id is None:

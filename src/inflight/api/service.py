@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -22,7 +22,7 @@ from inflight.api.archives import ArchiveSigner
 from inflight.api.auth import check_api_keys
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SessionRow
-from inflight.api.futures import FutureStore
+from inflight.api.futures import Future, FutureStore, RequestType
 from inflight.api.jobs import BaseModelLimits
 from inflight.errors import UserError
 from inflight.types import DtypeName
@@ -90,21 +90,45 @@ class NotFoundError(UserError, LookupError):
     """An id that names nothing on this server (routes answer 404)."""
 
 
+@dataclass(eq=False)  # identity: one waiter per long-poll, kept in a set
+class FinishWaiter:
+    """One long-poll's wake-up: `event` is set when its future finishes, and `finished` holds the finished
+    future when the notifier had it (its row is committed by then), so the answer needs no database read."""
+
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: Future | None = None
+
+
 class CompletionBoard:
-    """Wakes long-polls when the worker thread finishes their future (thread-safe `notify`)."""
+    """Wakes long-polls when their future finishes (thread-safe `notify`, called after the commit), and
+    knows the futures this process accepted and has not finished, so a long-poll on one needs no read."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._waiters: dict[str, set[FinishWaiter]] = {}
+        self._pending: dict[str, Future] = {}
+
+    def accepted(self, future: Future) -> None:
+        """A pending future was inserted: called before its commit, so before anything can finish it. (A
+        commit that then fails leaves an entry nobody was told the id of: a long-poll that guessed it
+        re-reads after RECHECK_S and gets its 404.)"""
+        with self._lock:
+            self._pending[future.request_id] = future
+
+    def pending(self, request_id: str) -> Future | None:
+        """The future as accepted, while this process has not notified its finish; else None (read it)."""
+        with self._lock:
+            return self._pending.get(request_id)
 
     @contextlib.contextmanager
-    def watch(self, request_id: str) -> Iterator[asyncio.Event]:
+    def watch(self, request_id: str) -> Iterator[FinishWaiter]:
         """Register before reading the future's state, so a finish in between is never missed."""
-        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        waiter = FinishWaiter(asyncio.get_running_loop())
         with self._lock:
             self._waiters.setdefault(request_id, set()).add(waiter)
         try:
-            yield waiter[1]
+            yield waiter
         finally:
             with self._lock:
                 waiters = self._waiters.get(request_id, set())
@@ -112,12 +136,16 @@ class CompletionBoard:
                 if not waiters:
                     self._waiters.pop(request_id, None)
 
-    def notify(self, request_id: str) -> None:
+    def notify(self, request_id: str, finished: Future | None = None) -> None:
+        """`finished`: the future as committed, if the caller has it; without it the waiters read the row."""
         with self._lock:
+            self._pending.pop(request_id, None)
             waiters = list(self._waiters.get(request_id, ()))
-        for loop, event in waiters:
+        for waiter in waiters:
+            if finished is not None and finished.finished:
+                waiter.finished = finished  # before the event: the waiter reads it once woken
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting any more
-                loop.call_soon_threadsafe(event.set)
+                waiter.loop.call_soon_threadsafe(waiter.event.set)
 
 
 @dataclass
@@ -128,11 +156,14 @@ class ServiceState:
     checkpoints: CheckpointStore
     base_models: dict[str, BaseModelInfo]
     board: CompletionBoard
-    wake_worker: Callable[[], None]  # the routes' nudge after a submit, so the worker need not poll
+    # The routes' nudge after a submit (the request's type, or None: look everywhere), so the worker
+    # need not poll.
+    wake_worker: Callable[[RequestType | None], None]
     counters: Callable[[], Mapping[str, int]]  # the worker's counts, for /server_stats
     archive_signer: ArchiveSigner  # signs and checks checkpoint download links (one secret per process)
     # Stops a cancelled sample's engine work (the worker's `cancel_sample`); any thread.
     cancel_sample: Callable[[str], None] = lambda request_id: None
+    _model_bases: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # see model_base
 
     def base_model(self, name: str) -> BaseModelInfo:
         info = self.base_models.get(name)
@@ -149,6 +180,14 @@ class ServiceState:
             raise NotFoundError(f"unknown model_id {model_id!r}: create it with create_model first")
         return row
 
+    def model_base(self, model_id: str) -> str:
+        """The base model of an existing model (NotFoundError otherwise), for the routes on every request's
+        path. Cached: a model's base model never changes and its row is never deleted."""
+        base_model = self._model_bases.get(model_id)
+        if base_model is None:
+            base_model = self._model_bases[model_id] = self.model(model_id).base_model
+        return base_model
+
     def session(self, session_id: str) -> SessionRow:
         with self.db.read() as session:
             row = session.get(SessionRow, session_id)
@@ -158,8 +197,8 @@ class ServiceState:
             raise NotFoundError(f"unknown session_id {session_id!r}: call create_session first")
         return row
 
-    def wake(self) -> None:
-        self.wake_worker()
+    def wake(self, request_type: RequestType | None = None) -> None:
+        self.wake_worker(request_type)
 
 
 def get_state(request: Request) -> ServiceState:

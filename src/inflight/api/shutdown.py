@@ -62,10 +62,10 @@ class ServiceShutdown:
         self._drained = False
         self._store: FutureStore | None = None
         self._stop_worker: Callable[[], None] = lambda: None
-        self._on_failed: Callable[[str], None] = lambda request_id: None
+        self._on_failed: Callable[[str, Future], None] = lambda request_id, failed: None
 
     def attach(
-        self, store: FutureStore, *, stop_worker: Callable[[], None], on_failed: Callable[[str], None]
+        self, store: FutureStore, *, stop_worker: Callable[[], None], on_failed: Callable[[str, Future], None]
     ) -> None:
         """What the lifespan built: the futures, the worker's (non-blocking) stop, the long-polls' wake-up."""
         self._store, self._stop_worker, self._on_failed = store, stop_worker, on_failed
@@ -118,7 +118,7 @@ class ServiceShutdown:
             log.exception("could not fail the unfinished futures; the next start fails them instead")
             return []
         for future in failed:
-            self._on_failed(future.request_id)
+            self._on_failed(future.request_id, future)
         if failed:
             log.warning(
                 "shutdown: %d unfinished futures failed after the %g s grace period",

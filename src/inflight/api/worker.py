@@ -8,7 +8,10 @@ One round (`run_once`), schedule -> execute -> update:
   4. settle the samples the engine finished, and hand the pending samples of every sampling session to the
      shared engine (`sampler.py`: one engine loop per base model, continuous batching across sessions and
      adapters). Samples finish asynchronously: a long one never holds up another tenant's training.
-Routes only write futures and `wake` the loop; `on_finished(request_id)` tells long-polls a result is in.
+Routes only write futures and `wake(request_type)` the loop, which then looks only where work can be: the
+ordered queues after a training request (again while claimed models have more queued), the samples after a
+sample request or an engine result, everything on a timed-out wait (the backstop). `on_finished(request_id,
+future)` hands long-polls the future just committed, so they answer without reading it back.
 The compute's trainer side is never touched from any other thread; the sampler's loops only generate.
 Every failure becomes a failed future (user or server category) and a count in `counters`; the loop itself
 never dies. No future stays running: one claimed in a round that dies midway (a DB hiccup, an error outside
@@ -36,7 +39,7 @@ from sqlalchemy.exc import IntegrityError
 from inflight.api import jobs
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SamplingSessionRow, SessionRow, utcnow
-from inflight.api.futures import Future, FutureStateError, FutureStore, RequestType
+from inflight.api.futures import ClaimedHeads, Future, FutureStateError, FutureStore, RequestType
 from inflight.api.ids import CheckpointKind, checkpoint_path, new_sampling_session_id, parse_model_id
 from inflight.api.metrics import ServiceMetrics
 from inflight.api.proto import (
@@ -108,7 +111,7 @@ class EngineWorker:
         checkpoints: CheckpointStore,
         *,
         limits: dict[str, jobs.BaseModelLimits],
-        on_finished: Callable[[str], None] = lambda request_id: None,
+        on_finished: Callable[[str, Future | None], None] = lambda request_id, finished: None,
         config: WorkerConfig | None = None,
         metrics: ServiceMetrics | None = None,
     ) -> None:
@@ -135,7 +138,10 @@ class EngineWorker:
         self._sampled: queue.SimpleQueue[_Sampled] = queue.SimpleQueue()
         # Sample request ids cancelled by routes; re-applied after each round's submissions (see `cancel`).
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        # Where the next round must look (see `wake`); both at start, for what a restart left pending.
+        self._hints_lock = threading.Lock()
+        self._look_ordered = self._look_samples = True
+        self._wake = threading.Event()  # rung after a hint is set
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -155,7 +161,7 @@ class EngineWorker:
         load re-run, samples of base models and checkpoints re-run, the rest fail with a clear error."""
         for future in self.store.recover():
             self._count("failed_by_restart")
-            self.on_finished(future.request_id)
+            self.on_finished(future.request_id, future)
         with self.db.write() as session:
             for row in session.scalars(select(ModelRow).where(ModelRow.status == "ready")):
                 row.status = "lost"
@@ -178,8 +184,24 @@ class EngineWorker:
             if self._thread.is_alive():
                 log.warning("engine worker still busy after %.0f s; leaving it", self.config.stop_timeout_s)
 
-    def wake(self) -> None:
+    def wake(self, request_type: RequestType | None = None) -> None:
+        """A request was queued (any thread): look at its queue next round; None: look everywhere."""
+        self._hint(
+            ordered=request_type is None or request_type.ordered,
+            samples=request_type is None or not request_type.ordered,
+        )
+
+    def _hint(self, *, ordered: bool = False, samples: bool = False) -> None:
+        with self._hints_lock:
+            self._look_ordered |= ordered
+            self._look_samples |= samples
         self._wake.set()
+
+    def _take_hints(self) -> tuple[bool, bool]:
+        with self._hints_lock:
+            hints = self._look_ordered, self._look_samples
+            self._look_ordered = self._look_samples = False
+        return hints
 
     def cancel_sample(self, request_id: str) -> None:
         """From a route thread, after the future was marked cancelled: stop its engine work now.
@@ -189,7 +211,7 @@ class EngineWorker:
         handed to the engine when the cancel came."""
         self.sampler.cancel(request_id)
         self._cancels.put(request_id)
-        self._wake.set()
+        self._hint(samples=True)
 
     def _apply_cancels(self) -> None:
         while True:
@@ -203,9 +225,9 @@ class EngineWorker:
     def _loop(self) -> None:
         last_housekeeping = time.monotonic()
         while not self._stop.is_set():
-            done = 0
+            ordered, samples = self._take_hints()
             try:
-                done = self.run_once()
+                self.run_once(ordered=ordered, samples=samples)
                 if time.monotonic() - last_housekeeping >= self.config.housekeeping_interval_s:
                     last_housekeeping = time.monotonic()
                     self.housekeeping()
@@ -214,15 +236,23 @@ class EngineWorker:
                 log.exception("engine worker round failed; retrying")
                 self._held.clear()  # whatever the round had claimed and not settled is lost work now
                 self._fail_orphaned()
-            if not done:
-                self._wake.wait(self.config.idle_poll_s)
-                self._wake.clear()
+                self._stop.wait(self.config.idle_poll_s)  # then retry everything, without spinning
+                self._hint(ordered=True, samples=True)
+            # A hint set since `_take_hints` has rung the bell: the wait returns at once. A wait that times
+            # out looks everywhere (another process's requests, anything a missed wake-up left).
+            if not self._wake.wait(self.config.idle_poll_s):
+                self._hint(ordered=True, samples=True)
+            self._wake.clear()
 
     # -- one round ------------------------------------------------------------------------------------
 
-    def run_once(self) -> int:
-        """Schedule, execute and record one round; returns how many futures it settled."""
-        heads = [f for m in self.store.ready_model_ids() if (f := self.store.claim_next(m)) is not None]
+    def run_once(self, *, ordered: bool = True, samples: bool = True) -> int:
+        """Schedule, execute and record one round, claiming from the ordered queues and/or the samples;
+        returns how many futures it settled or handed to the engine."""
+        claimed = self.store.claim_ready() if ordered else ClaimedHeads([], more_queued=False)
+        if claimed.more_queued:  # a claimed model's next request is queued: claim it next round
+            self._hint(ordered=True)
+        heads = claimed.futures
         self._held.update(f.request_id for f in heads)
         for future in heads:
             if future.request_type not in _PASSES:
@@ -238,19 +268,21 @@ class EngineWorker:
             self._run_passes(base_model, group)
         sampled = self._settle_samples()
         room = self.config.max_sample_futures_in_flight - len(self._sampling)
-        samples = self.store.claim_unordered(RequestType.SAMPLE, room) if room > 0 else []
-        self._held.update(f.request_id for f in samples)
-        if samples:
-            self._submit_samples(samples)
+        claimed_samples: list[Future] = []
+        if samples and room > 0:  # more beyond `room` wait until the engine finishes some (`_on_sampled`)
+            claimed_samples = self.store.claim_unordered(RequestType.SAMPLE, room)
+        self._held.update(f.request_id for f in claimed_samples)
+        if claimed_samples:
+            self._submit_samples(claimed_samples)
         self._apply_cancels()
-        return len(heads) + len(samples) + sampled
+        return len(heads) + len(claimed_samples) + sampled
 
     def housekeeping(self) -> None:
         self.checkpoints.delete_expired()
         older_than = utcnow() - timedelta(seconds=self.config.seq_gap_timeout_s)
         for future in self.store.fail_stalled(older_than):
             self._count("failed_seq_gap")
-            self.on_finished(future.request_id)
+            self.on_finished(future.request_id, future)
         self._fail_orphaned()
         self._unload_finished_sessions()
 
@@ -266,7 +298,7 @@ class EngineWorker:
                 "request %s (%s) was running when its work was lost", future.request_id, future.request_type
             )
             self._count("failed_orphaned")
-            self.on_finished(future.request_id)
+            self.on_finished(future.request_id, future)
 
     def _settle(self, future: Future, work: Callable[[Future], bytes] | BaseException | bytes) -> None:
         """Run `work` (or take its outcome) and record it; the one place failures become futures.
@@ -280,8 +312,9 @@ class EngineWorker:
                 outcome = err
         else:
             outcome = work
+        finished: Future | None = None  # as committed; None: someone else finished it, read it back
         try:
-            self._record(future, outcome)
+            finished = self._record(future, outcome)
         except FutureStateError:
             # Finished meanwhile by someone else (a client's cancel_future raced the result): theirs stands.
             log.info("request %s finished before its outcome came; outcome dropped", future.request_id)
@@ -289,28 +322,31 @@ class EngineWorker:
         except Exception:  # e.g. a result too large for its column: fail it rather than leave it running
             log.exception("could not record the outcome of request %s", future.request_id)
             self._count("failed_server")
-            self.store.fail(future.request_id, "internal error: the result could not be stored", "server")
+            finished = self.store.fail(
+                future.request_id, "internal error: the result could not be stored", "server"
+            )
         self._held.discard(future.request_id)
-        self.on_finished(future.request_id)
+        self.on_finished(future.request_id, finished)
 
-    def _record(self, future: Future, outcome: bytes | BaseException) -> None:
+    def _record(self, future: Future, outcome: bytes | BaseException) -> Future:
         if isinstance(outcome, bytes):
-            self.store.complete(future.request_id, outcome)
+            finished = self.store.complete(future.request_id, outcome)
             self._count(f"done_{future.request_type}")
         elif isinstance(outcome, UserError):
-            self.store.fail(future.request_id, str(outcome) or type(outcome).__name__, "user")
+            finished = self.store.fail(future.request_id, str(outcome) or type(outcome).__name__, "user")
             self._count("failed_user")
         else:
             clean = isinstance(outcome, ModelUnavailableError)
             message = str(outcome) if clean else f"internal error: {type(outcome).__name__}: {outcome}"
             if not clean:
                 log.error("request %s (%s) failed", future.request_id, future.request_type, exc_info=outcome)
-            self.store.fail(future.request_id, message, "server")
+            finished = self.store.fail(future.request_id, message, "server")
             self._count("failed_server")
         seconds = (utcnow() - future.created_at).total_seconds()
         self.metrics.observe_future(
             future.request_type, "done" if isinstance(outcome, bytes) else "failed", seconds
         )
+        return finished
 
     # -- requests that change a model or write files, one at a time -------------------------------------
 
@@ -507,7 +543,7 @@ class EngineWorker:
     ) -> None:
         """On an engine loop's thread: queue the result for this thread, which owns the database writes."""
         self._sampled.put((future, request, done))
-        self._wake.set()
+        self._hint(samples=True)  # to settle it, and its room in the engine may take a waiting sample
 
     def _settle_samples(self) -> int:
         """Record every sample the engine finished since the last round; returns how many."""
@@ -521,7 +557,7 @@ class EngineWorker:
             error = done.exception()
             if isinstance(error, SampleCancelledError):  # the route recorded the cancel already
                 self._count("samples_cancelled")
-                self.on_finished(future.request_id)
+                self.on_finished(future.request_id, None)
                 settled += 1
                 continue
             self._held.add(future.request_id)  # _settle releases it
