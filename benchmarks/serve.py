@@ -1,6 +1,6 @@
 """The service's compute: batched multi-adapter forward_backward vs the same requests one by one, the
-per-request overhead of the HTTP API (the unmodified `tinker` SDK against an in-process server) over a
-direct in-process engine call, and the cost of a checkpoint round trip through that server.
+per-request overhead of the HTTP API (the unmodified `tinker` SDK against the service) over a direct
+in-process engine call, and the cost of a checkpoint round trip through that server.
 
 Batched vs serial: N adapters (LoRA rank R) each send one forward_backward job of K datums of T tokens.
 "batched" runs all N jobs in one `ServiceCompute.forward_backward` call (one pass, each row with its own
@@ -13,6 +13,13 @@ SDK's `save_weights_for_sampler` (`checkpoint_save_ms`), its archive fetched as 
 URL route, then a plain HTTP download and tar extraction: `checkpoint_download_ms`) and loaded with
 `peft.PeftModel.from_pretrained` onto a base model loaded beforehand (`checkpoint_peft_load_ms`); medians
 after a warm-up trip, and their sum `checkpoint_round_trip_ms`. Prints one JSON line last.
+API overhead (--api-requests): one small `forward` through the SDK, `api_ms_per_request`, against the same
+job as a direct engine call, `direct_ms_per_request`, alternating request by request so load hits both
+alike (medians); `api_overhead_ms` is their difference. `api_floor_ms` is the same SDK call answered at
+once by a stub in front of the server (no database, no worker, no compute): the SDK's and HTTP's own cost,
+which no server can remove. --api-server picks the server: `thread` (default) is the app under uvicorn in
+this process, so the SDK's threads share its interpreter; `process` is `inflight serve` in its own
+process, as users run it (no floor then).
 Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64 --dtype auto]` (default model: the tiny
 preset, built locally; dtype as `inflight serve --dtype`, reported in the JSON).
 """
@@ -25,12 +32,13 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 import torch
 
@@ -80,6 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument(
         "--api-requests", type=int, default=10, help="timed requests through the API (0 = skip the API part)"
+    )
+    parser.add_argument(
+        "--api-server",
+        choices=["thread", "process"],
+        default="thread",
+        help="the API part's server: the app in a thread of this process, or `inflight serve` in its own",
     )
     parser.add_argument(
         "--checkpoint-round-trips",
@@ -176,7 +190,15 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.api_requests > 0:
         result.update(
-            measure_api(compute, args.model, args.api_requests, args.checkpoint_round_trips, args.rank)
+            measure_api(
+                compute,
+                args.model,
+                args.api_requests,
+                args.checkpoint_round_trips,
+                args.rank,
+                server=args.api_server,
+                dtype=args.dtype,
+            )
         )
     print(json.dumps(result))
     return result
@@ -185,29 +207,43 @@ def main(argv: list[str] | None = None) -> dict:
 # ---- API overhead and checkpoint round trip -------------------------------------------------------------
 # The per-request cost of going through the service (SDK -> HTTP -> routes -> futures table -> worker ->
 # engine -> result -> long-poll) beyond the engine call itself: the same small forward request timed through
-# the unmodified `tinker` SDK against an in-process uvicorn on loopback, and as a direct engine call. The
-# same server then serves the checkpoint round trips.
+# the unmodified `tinker` SDK against a server on loopback, and as a direct engine call. The same server
+# then serves the checkpoint round trips.
 
 API_KEY = "tml-bench"
 
 
-def measure_api(compute: Any, model_dir: str, requests: int, round_trips: int, rank: int) -> dict[str, Any]:
-    """{"api_ms_per_request", "direct_ms_per_request", "api_overhead_ms"} and, with round_trips > 0, the
-    checkpoint_* keys; or {"api_error": why} in their place."""
+def measure_api(
+    compute: Any,
+    model_dir: str,
+    requests: int,
+    round_trips: int,
+    rank: int,
+    *,
+    server: str = "thread",
+    dtype: str = "auto",
+) -> dict[str, Any]:
+    """{"api_ms_per_request", "direct_ms_per_request", "api_overhead_ms"}, "api_floor_ms" with the thread
+    server, and with round_trips > 0 the checkpoint_* keys; or {"api_error": why} in their place."""
     import tinker
     from tinker import types
 
     from inflight.api.job_types import Datum, ForwardBackwardJob, LoraSpec
+    from inflight.api.proto import encode_forward_backward_output
 
     tokens = list(range(10, 42))
     compute.create_adapter("api-direct", "bench", LoraSpec(rank=8, seed=0))
     job = ForwardBackwardJob(
         "api-direct", [Datum(tokens[:-1], {"target_tokens": tokens[1:]})], "cross_entropy", backward=False
     )
-    direct = _median_ms(lambda: _check(compute.forward_backward([job])), requests)
-    result: dict[str, Any] = {"direct_ms_per_request": round(direct, 2)}
+
+    def direct() -> None:
+        _check(compute.forward_backward([job]))
+
+    result: dict[str, Any] = {"api_server": server}
+    stub = _InstantForwards(encode_forward_backward_output(compute.forward_backward([job])[0]))
     try:
-        with _in_process_service(model_dir) as url:
+        with _service(model_dir, server, dtype, stub) as url:
             client = tinker.ServiceClient(base_url=url, api_key=API_KEY)
             training = client.create_lora_training_client(base_model="bench", rank=8, seed=0).result(
                 timeout=120
@@ -217,9 +253,22 @@ def measure_api(compute: Any, model_dir: str, requests: int, round_trips: int, r
             datum = types.Datum(
                 model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": targets}
             )
-            api = _median_ms(lambda: training.forward([datum], "cross_entropy").result(timeout=60), requests)
-            result["api_ms_per_request"] = round(api, 2)
-            result["api_overhead_ms"] = round(api - direct, 2)
+            runs: dict[str, Callable[[], object]] = {
+                "direct": direct,
+                "api": lambda: training.forward([datum], "cross_entropy").result(timeout=60),
+            }
+            if server == "thread":  # a second model whose forwards the stub answers
+                floor = client.create_lora_training_client(base_model="bench", rank=8, seed=0).result(
+                    timeout=120
+                )
+                stub.model_id = floor.model_id
+                runs["floor"] = lambda: floor.forward([datum], "cross_entropy").result(timeout=60)
+            medians = _median_ms_alternating(runs, requests)
+            result["direct_ms_per_request"] = round(medians["direct"], 2)
+            result["api_ms_per_request"] = round(medians["api"], 2)
+            result["api_overhead_ms"] = round(medians["api"] - medians["direct"], 2)
+            if "floor" in medians:
+                result["api_floor_ms"] = round(medians["floor"], 2)
             if round_trips > 0:
                 adapter = client.create_lora_training_client(base_model="bench", rank=rank, seed=0).result(
                     timeout=120
@@ -286,44 +335,136 @@ def _download_archive(url: str, tinker_path: str, into: Path) -> int:
     return len(data)
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _median_ms_alternating(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms per run after one warm-up each; the runs alternate call by call, so load hits all alike."""
+    for fn in runs.values():
         fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(1000 * (time.perf_counter() - start))
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
+class _InstantForwards:
+    """ASGI in front of the service: answers the forward requests of one model (`model_id`, set once it
+    exists) and the retrieves of their futures at once, with a stored result, and passes the rest on. What
+    the SDK then spends on a forward is its own cost and HTTP's: the floor under any server."""
+
+    _FIRST_ID = 10**15  # far above any request_id the database hands out
+
+    def __init__(self, result: bytes) -> None:
+        self.result = result
+        self.model_id: str | None = None
+        self.app: Any = None
+        self._issued = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if (
+            scope["type"] != "http"
+            or self.model_id is None
+            or not path.endswith(("/forward_backward", "/retrieve_future"))
+        ):
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        answer = self._answer(path, body)
+        if answer is None:  # another model's request, or a real future: the service's
+            await self.app(scope, _replay(body), send)
+            return
+        content_type, content = answer
+        headers = [(b"content-type", content_type), (b"content-length", str(len(content)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    def _answer(self, path: str, body: bytes) -> tuple[bytes, bytes] | None:
+        from tinker.proto import tinker_public_pb2 as pb
+
+        if path.endswith("/retrieve_future"):
+            request_id = int(json.loads(body)["request_id"])
+            return (b"application/x-protobuf", self.result) if request_id >= self._FIRST_ID else None
+        request = pb.ForwardBackwardRequest()
+        request.ParseFromString(body)
+        if request.model_id != self.model_id:
+            return None
+        self._issued += 1
+        future = {"request_id": str(self._FIRST_ID + self._issued), "model_id": self.model_id}
+        return b"application/json", json.dumps(future).encode()
+
+
+def _replay(body: bytes) -> Callable[[], Any]:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
 
 
 @contextlib.contextmanager
-def _in_process_service(model_dir: str) -> Iterator[str]:
-    """`inflight serve`'s app on a free loopback port (uvicorn in a thread, SQLite); yields its base URL."""
-    import uvicorn
-
-    from inflight.api.app import create_app
-    from inflight.api.service import ServiceConfig
-
+def _service(model_dir: str, server: str, dtype: str, stub: _InstantForwards) -> Iterator[str]:
+    """`inflight serve`'s app on a loopback port, SQLite in a fresh state dir; yields its base URL. `thread`:
+    the app (behind `stub`) in this process, bound as `inflight serve` binds; `process`: the command."""
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     state_dir = Path(tempfile.mkdtemp(prefix="inflight-bench-serve-api-"))
-    app = create_app(ServiceConfig(base_models={"bench": model_dir}, state_dir=state_dir))
+    try:
+        if server == "thread":
+            from inflight.api.app import BackgroundServer, create_app
+            from inflight.api.service import ServiceConfig
+
+            stub.app = create_app(
+                ServiceConfig(base_models={"bench": model_dir}, state_dir=state_dir, dtype=cast(Any, dtype))
+            )
+            with BackgroundServer(cast(Any, stub)) as background:
+                yield background.url
+        else:
+            with _served_process(model_dir, state_dir, dtype) as url:
+                yield url
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _served_process(model_dir: str, state_dir: Path, dtype: str) -> Iterator[str]:
+    """`inflight serve` in a subprocess, its torch threads as this process's; its log in the state dir."""
+    import urllib.request
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    command = [sys.executable, "-m", "inflight.cli", "serve", "--base-model", f"bench={model_dir}"]
+    command += ["--state-dir", str(state_dir), "--port", str(port), "--dtype", dtype]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    log_path = state_dir / "serve.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise TimeoutError("the in-process service did not start within 120 s")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=5):
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"inflight serve did not start: {log_path.read_text()[-500:]}"
+                    ) from None
+                time.sleep(0.2)
+        yield url
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        shutil.rmtree(state_dir, ignore_errors=True)
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`inflight bench serve` at its smallest settings on the tiny model: every headline key is reported and
 positive, the checkpoint round trip's included (save with the SDK, download through the archive URL, load
-into `peft`), and the round trip is the sum of its phases.
+into `peft`), and the round trip is the sum of its phases; the API part also against `inflight serve` in its
+own process.
 
 Reference: issue 15's Benchmark section (the bench keeps its keys and adds the cost of a checkpoint round
 trip); the numbers themselves are measured alone and recorded in docs/benchmarks.md, not here.
@@ -30,6 +31,7 @@ def test_smallest_run_reports_every_key(tiny_model_dir: Path, monkeypatch: pytes
         "sample_ratio_batched_vs_serial",
         "api_ms_per_request",
         "direct_ms_per_request",
+        "api_floor_ms",
         "checkpoint_save_ms",
         "checkpoint_download_ms",
         "checkpoint_peft_load_ms",
@@ -40,3 +42,16 @@ def test_smallest_run_reports_every_key(tiny_model_dir: Path, monkeypatch: pytes
     assert "api_overhead_ms" in result  # a difference of two timings: its sign is the measurement's
     phases = sum(result[f"checkpoint_{name}_ms"] for name in ("save", "download", "peft_load"))
     assert result["checkpoint_round_trip_ms"] == pytest.approx(phases, abs=0.02)
+
+
+def test_the_api_part_against_inflight_serve_in_its_own_process(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bench = importlib.import_module("benchmarks.serve")
+    smallest = [*SMALLEST, "--checkpoint-round-trips", "0", "--api-server", "process"]
+    result = bench.main([*smallest, "--threads", "1", "--model", str(tiny_model_dir)])
+    assert "api_error" not in result, result["api_error"]
+    assert result["api_server"] == "process" and result["api_ms_per_request"] > 0
+    assert "api_floor_ms" not in result  # the stub sits in front of an app in this process only
