@@ -4,6 +4,7 @@ or dies reported in one line."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
@@ -13,10 +14,10 @@ import torch
 
 from inflight.config import RunConfig
 from inflight.errors import UserError
-from inflight.models import load_model
-from inflight.orchestrator.setup import trainer_in_process
+from inflight.models import load_model, load_tokenizer
+from inflight.orchestrator.setup import build_loop_trainer, trainer_in_process
 from inflight.trainer import LossConfig, Trainer, TrainerConfig
-from inflight.trainer.process import TrainerProcess, TrainerProcessError
+from inflight.trainer.process import TrainerProcess, TrainerProcessError, shared_memory_shortfall
 from test_trainer import make_grouped_samples
 
 VOCAB = 2048
@@ -145,3 +146,25 @@ def test_auto_gives_the_pipeline_a_trainer_process_on_a_multicore_cpu(
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     assert not trainer_in_process(RunConfig(mode="async"))
     assert trainer_in_process(RunConfig(mode="async", pipeline={"trainer_process": True}))
+
+
+def test_too_little_shared_memory_falls_back_to_a_thread_or_is_refused_when_asked_for(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = load_model(tiny_model_dir)
+    assert shared_memory_shortfall(model) is None  # this machine's /dev/shm holds the tiny model
+
+    class Small:  # a container's /dev/shm: 64 MiB, 1 MiB of it free
+        f_bavail, f_frsize = 256, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Small())
+    problem = shared_memory_shortfall(model)
+    assert problem is not None and "1 MiB free" in problem and "--shm-size" in problem
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    with caplog.at_level(logging.WARNING):
+        trainer = build_loop_trainer(RunConfig(mode="async"), model, tokenizer)
+    assert isinstance(trainer, Trainer) and "runs in a thread" in caplog.text
+    asked = RunConfig(mode="async", pipeline={"trainer_process": True})
+    with pytest.raises(UserError, match=r"pipeline.trainer_process=true: /dev/shm has 1 MiB free.*=false"):
+        build_loop_trainer(asked, load_model(tiny_model_dir), tokenizer)

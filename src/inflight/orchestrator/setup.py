@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -15,7 +16,9 @@ from inflight.errors import UserError
 from inflight.models.device import resolve_device
 from inflight.preflight import ensure_dir
 from inflight.trainer import Trainer, TrainerConfig
-from inflight.trainer.process import StepTrainer, TrainerProcess
+from inflight.trainer.process import StepTrainer, TrainerProcess, shared_memory_shortfall
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -81,6 +84,14 @@ def build_loop_trainer(cfg: RunConfig, model: torch.nn.Module, tokenizer: object
     """The trainer the run's loop drives: `build_trainer`'s, in this process or (the pipeline's
     `pipeline.trainer_process`) in a process of its own. Close a TrainerProcess when the run ends."""
     if not trainer_in_process(cfg):
+        return build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
+    shortfall = shared_memory_shortfall(model)
+    if shortfall is not None:
+        if cfg.pipeline.trainer_process is True:
+            raise UserError(
+                f"pipeline.trainer_process=true: {shortfall}; or set pipeline.trainer_process=false"
+            )
+        log.warning("the pipeline's trainer runs in a thread of this process (slower): %s", shortfall)
         return build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
     config = run_trainer_config(cfg.trainer, cfg.grpo.steps)
     return TrainerProcess(model, config, pad_id(tokenizer), threads=cfg.pipeline.torch_threads)

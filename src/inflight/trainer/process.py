@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.connection
+import os
 import time
 import traceback
 from collections.abc import Sequence
@@ -41,6 +42,27 @@ _CALLS = frozenset(
 )
 _START_TIMEOUT_S = 300.0  # spawning the interpreter and importing torch (seconds on a quiet machine)
 _POLL_S = 0.5  # how often a wait checks that the child is still alive
+
+
+SHARED_MEMORY_DIR = "/dev/shm"  # where torch's file_descriptor strategy puts shared tensors on Linux
+
+
+def shared_memory_shortfall(model: torch.nn.Module, directory: str = SHARED_MEMORY_DIR) -> str | None:
+    """Why `model`'s tensors cannot move to shared memory here, or None when they can: a container's
+    /dev/shm is often 64 MB (Docker's default), smaller than a model, and a write past it kills the run
+    with a bus error instead of an exception."""
+    needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return f"{directory} is not there to hold the shared weights"
+    free = stat.f_bavail * stat.f_frsize
+    if free < needed * 1.25:  # headroom for the pieces torch allocates beside the tensors
+        return (
+            f"{directory} has {free / 2**20:.0f} MiB free, the model's weights need {needed / 2**20:.0f} MiB "
+            "(a container's default is 64 MiB: `docker run --shm-size=...`)"
+        )
+    return None
 
 
 class StepTrainer(Protocol):
