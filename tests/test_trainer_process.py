@@ -123,6 +123,13 @@ def test_a_user_error_in_the_child_is_the_same_one_line(tiny_model_dir: Path) ->
     assert str(from_child.value) == str(raised.value)
 
 
+def test_ctrl_c_leaves_the_child_to_the_parents_shutdown(tiny_model_dir: Path) -> None:
+    with TrainerProcess(load_model(tiny_model_dir), _config(), threads=1) as child:
+        os.kill(child._process.pid, signal.SIGINT)  # what Ctrl-C sends the whole process group
+        child.train_step(make_grouped_samples(2, 2, VOCAB))  # still answers: the parent decides
+        assert child.version == 1
+
+
 def test_a_child_that_dies_is_reported_with_its_exit_code(tiny_model_dir: Path) -> None:
     child = TrainerProcess(load_model(tiny_model_dir), _config(), threads=1)
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.connection
 import os
+import signal
 import time
 import traceback
 from collections.abc import Sequence
@@ -208,6 +209,9 @@ def _serve(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """The child: build the Trainer over the shared model, then answer calls until told to stop."""
+    # Ctrl-C reaches the whole process group: the parent shuts the run down (its last checkpoint is a call
+    # to this child) and then stops the child; interrupted here, the child would die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         trainer = Trainer(model, config, pad_id=pad_id)
