@@ -15,7 +15,7 @@ import torch
 from inflight.config import RunConfig
 from inflight.errors import UserError
 from inflight.models import load_model, load_tokenizer
-from inflight.orchestrator.setup import build_loop_trainer, trainer_in_process
+from inflight.orchestrator.setup import build_loop_trainer, wants_trainer_process
 from inflight.trainer import LossConfig, Trainer, TrainerConfig
 from inflight.trainer.process import TrainerProcess, TrainerProcessError, shared_memory_shortfall
 from test_trainer import make_grouped_samples
@@ -145,14 +145,14 @@ def test_auto_gives_the_pipeline_a_trainer_process_on_a_multicore_cpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert trainer_in_process(RunConfig(mode="async"))
-    assert not trainer_in_process(RunConfig(mode="sync"))  # the sync loop gives each phase both cores
+    assert wants_trainer_process(RunConfig(mode="async"))
+    assert not wants_trainer_process(RunConfig(mode="sync"))  # the sync loop gives each phase both cores
     remote = RunConfig(mode="async", pipeline={"engine_urls": ["http://127.0.0.1:1"]})
-    assert not trainer_in_process(remote)  # no engine in this process to share a GIL with
-    assert not trainer_in_process(RunConfig(mode="async", pipeline={"trainer_process": False}))
+    assert not wants_trainer_process(remote)  # no engine in this process to share a GIL with
+    assert not wants_trainer_process(RunConfig(mode="async", pipeline={"trainer_process": False}))
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
-    assert not trainer_in_process(RunConfig(mode="async"))
-    assert trainer_in_process(RunConfig(mode="async", pipeline={"trainer_process": True}))
+    assert not wants_trainer_process(RunConfig(mode="async"))
+    assert wants_trainer_process(RunConfig(mode="async", pipeline={"trainer_process": True}))
 
 
 def test_too_little_shared_memory_falls_back_to_a_thread_or_is_refused_when_asked_for(

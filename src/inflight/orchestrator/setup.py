@@ -83,7 +83,7 @@ def run_trainer_config(config: TrainerConfig, run_steps: int | None) -> TrainerC
 def build_loop_trainer(cfg: RunConfig, model: torch.nn.Module, tokenizer: object) -> StepTrainer:
     """The trainer the run's loop drives: `build_trainer`'s, in this process or (the pipeline's
     `pipeline.trainer_process`) in a process of its own. Close a TrainerProcess when the run ends."""
-    if not trainer_in_process(cfg):
+    if not wants_trainer_process(cfg):
         return build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
     shortfall = shared_memory_shortfall(model)
     if shortfall is not None:
@@ -97,7 +97,7 @@ def build_loop_trainer(cfg: RunConfig, model: torch.nn.Module, tokenizer: object
     return TrainerProcess(model, config, pad_id(tokenizer), threads=cfg.pipeline.torch_threads)
 
 
-def trainer_in_process(cfg: RunConfig) -> bool:
+def wants_trainer_process(cfg: RunConfig) -> bool:
     """Whether the pipeline's trainer gets a process of its own (`pipeline.trainer_process`)."""
     choice = cfg.pipeline.trainer_process
     if choice != "auto":

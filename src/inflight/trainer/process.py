@@ -1,10 +1,10 @@
 """A Trainer in a process of its own: the pipeline's trainer with its own interpreter, GIL and core.
 
 Why: in one process the pipeline's engine thread, its rollouts' event loop and its trainer thread take
-turns on one GIL, and on a 2-core machine the trainer then ran ~2x slower than alone on one core
-(docs/benchmarks.md, `inflight bench pipeline`). Here the trainer steps in a child process (started with
-`spawn`: forking a process that runs OpenMP threads is unsafe) while this process keeps the engine and the
-rollouts.
+turns on one GIL, and on a 2-core machine the trainer then stepped ~1.3x slower than alone on one core
+(0.158 s against 0.119 s on `inflight bench pipeline`'s BlackJack batch, docs/benchmarks.md). Here the
+trainer steps in a child process (started with `spawn`: forking a process that runs OpenMP threads is
+unsafe) while this process keeps the engine and the rollouts.
 
 The weights are not copied between the two: the model's tensors are moved into shared memory before the
 child starts, and the child trains that very storage in place. The parent reads them (`weights()`) only
@@ -118,7 +118,11 @@ class TrainerProcess:
         )
         self._process.start()
         child_conn.close()
-        self._wait("start", _START_TIMEOUT_S)
+        try:
+            self._wait("start", _START_TIMEOUT_S)
+        except BaseException:  # the Trainer could not be built there (its error is raised): no child left
+            self.close()
+            raise
 
     # -- the Trainer's methods ----------------------------------------------------------------------------
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
