@@ -190,3 +190,50 @@ def test_ranks_handed_different_steps_or_holding_different_weights_fail_loudly(t
         checks = json.loads((two_rank_runs / f"checks.rank{rank}.json").read_text())
         assert "handed different steps" in checks.get("different_steps", ""), checks
         assert "hold different weights" in checks.get("out_of_sync", ""), checks
+
+
+# ---- NCCL on a GPU ---------------------------------------------------------------------------------------
+# One GPU holds one NCCL rank (NCCL refuses two ranks on one device), so this is the NCCL path of a
+# world of one: the group joined on the CUDA backend, the gradient buckets, the step's counts and the
+# merged metrics all go through NCCL collectives on `cuda`, and the update must be the plain trainer's.
+
+
+def _nccl_rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    group = init_data_parallel(rank, 1, f"tcp://127.0.0.1:{port}", "cuda", timeout_s=COLLECTIVE_TIMEOUT_S)
+    assert dist.get_backend(group) == "nccl"
+    for name, case in CASES.items():
+        config = TrainerConfig(**{"lr": LR, **case.config, "device": "cuda"})
+        trainer = DataParallelTrainer(load_model(Path(model_dir)), config, group)
+        metrics = [trainer.train_step(case.batch(step)) for step in range(STEPS)]
+        trainer.assert_replicas_in_sync()
+        trained = [p.detach().cpu() for p in trainer.policy.parameters()]
+        torch.save({"metrics": metrics, "trained": trained}, Path(out_dir) / f"{name}.nccl.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_nccl_rank_on_cuda_makes_the_plain_trainers_update(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.spawn(_nccl_rank_main, args=(port, str(tiny_model_dir), str(tmp_path)), nprocs=1, join=False)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            context.processes[0].kill()
+            pytest.fail(f"the NCCL rank was still running after {RUN_TIMEOUT_S}s")
+    for name, case in CASES.items():
+        config = TrainerConfig(**{"lr": LR, **case.config, "device": "cuda"})
+        single = Trainer(load_model(tiny_model_dir), config)
+        expected = [single.train_step(case.batch(step)) for step in range(STEPS)]
+        got = torch.load(tmp_path / f"{name}.nccl.pt")
+        got_N = torch.cat([t.reshape(-1) for t in got["trained"]])
+        want_N = torch.cat([p.detach().cpu().reshape(-1) for p in single.policy.parameters()])
+        diff_N = (got_N - want_N).abs()  # CUDA's atomic adds make backward sums order-dependent
+        assert float(diff_N.max()) <= 5e-2 * LR, name
+        assert int((diff_N > 1e-5).sum()) <= 1e-3 * diff_N.numel() + 2, name
+        for step, (g, w) in enumerate(zip(got["metrics"], expected, strict=True)):
+            assert g["dp_token_imbalance"] == pytest.approx(1.0), (name, step)
+            for key in set(w) - TIMINGS:
+                assert g[key] == pytest.approx(w[key], rel=1e-3, abs=1e-5), (name, step, key)

@@ -23,6 +23,7 @@ One step, on each of W ranks (every arrow into a box is a collective every rank 
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Sequence
 
 import torch
@@ -53,8 +54,10 @@ def init_data_parallel(
     the group a `DataParallelTrainer` takes. Every rank calls it; it returns once all have joined.
 
     `init_method`: rank 0's "tcp://HOST:PORT", a "file://" path all ranks see, or "env://" (MASTER_ADDR,
-    MASTER_PORT). `device` is the rank's `trainer.device`: on CUDA give each rank its own (`cuda:N`), which
-    becomes the current device (NCCL and the collectives of Python objects use it). `timeout_s` bounds
+    MASTER_PORT). `device` is the rank's `trainer.device`: on CUDA each rank takes its own, which becomes
+    the current device (NCCL and the collectives of Python objects use it): `cuda:N` as given, a bare
+    `cuda` (or `auto`) the node-local rank's (`LOCAL_RANK`, as torchrun and Ray set it, else `rank` modulo
+    the devices this node has). `timeout_s` bounds
     joining and every later collective, so a rank that dies or hangs fails the others instead of
     stalling them.
     """
@@ -65,6 +68,9 @@ def init_data_parallel(
             "DataParallelTrainer instead of calling init_data_parallel again"
         )
     if resolved.type == "cuda":
+        if resolved.index is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            resolved = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(resolved)
     dist.init_process_group(
         backend_for(resolved),
