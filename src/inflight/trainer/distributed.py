@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -191,8 +191,12 @@ class DataParallelTrainer(Trainer):
         return metrics
 
     def optim_step(self) -> dict[str, float]:
-        all_reduce_gradients(self.policy.parameters(), self.group)
+        all_reduce_gradients(self._replicated_parameters(), self.group)
         return super().optim_step()
+
+    def _replicated_parameters(self) -> list[Tensor]:
+        """The trained tensors every rank holds whole, whose gradients `optim_step` sums over the ranks."""
+        return self.policy.parameters()
 
     def _whole_step_counts(
         self,
@@ -247,22 +251,32 @@ class DataParallelTrainer(Trainer):
             tensors.update(self.policy.adapter_update(self.version).tensors)
         return tensors
 
-    @torch.no_grad()
     def assert_replicas_in_sync(self) -> None:
-        """RuntimeError naming the tensors whose float64 sum or sum of squares differs between ranks: a
-        cheap fingerprint (one pass over the weights, one all-reduce of two numbers per tensor) that
-        catches ranks started from different weights or drifted apart. A collective: every rank calls it."""
-        tensors = self._replica_tensors()
-        per_tensor = [torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors.values()]
-        fingerprint = torch.stack(per_tensor).to(self.device)  # [n, 2]
-        extremes = torch.cat([fingerprint, -fingerprint])  # max of both: the largest and minus the smallest
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
-        n = len(per_tensor)
-        differ = (extremes[:n] != -extremes[n:]).any(dim=1).tolist()
-        names = [name for name, bad in zip(tensors, differ, strict=True) if bad]
-        if names:
-            raise RuntimeError(
-                f"data-parallel ranks hold different weights ({len(names)} of {n} tensors differ, e.g. "
-                f"{names[:3]}) at version {self.version}: every rank must load the same checkpoint and "
-                "LoRA seed, and take the same steps"
-            )
+        """RuntimeError naming the tensors that differ between ranks (`assert_same_on_every_rank` over the
+        model's state and the LoRA adapter). A collective: every rank calls it."""
+        assert_same_on_every_rank(self._replica_tensors(), self.group, self.device, self.version)
+
+
+@torch.no_grad()
+def assert_same_on_every_rank(
+    tensors: Mapping[str, Tensor], group: dist.ProcessGroup | None, device: torch.device, version: int
+) -> None:
+    """RuntimeError naming the tensors whose float64 sum or sum of squares differs between ranks: a cheap
+    fingerprint (one pass over the weights, one all-reduce of two numbers per tensor, on `device`) that
+    catches ranks started from different weights or drifted apart. A collective: every rank calls it with
+    the same names (none: nothing to compare, no collective)."""
+    if not tensors:
+        return
+    per_tensor = [torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors.values()]
+    fingerprint = torch.stack(per_tensor).to(device)  # [n, 2]
+    extremes = torch.cat([fingerprint, -fingerprint])  # max of both: the largest and minus the smallest
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    n = len(per_tensor)
+    differ = (extremes[:n] != -extremes[n:]).any(dim=1).tolist()
+    names = [name for name, bad in zip(tensors, differ, strict=True) if bad]
+    if names:
+        raise RuntimeError(
+            f"data-parallel ranks hold different weights ({len(names)} of {n} tensors differ, e.g. "
+            f"{names[:3]}) at version {version}: every rank must load the same checkpoint and "
+            "LoRA seed, and take the same steps"
+        )
