@@ -21,7 +21,7 @@ from inflight.errors import UserError
 from inflight.models.lora import LoraPlan, LoraRouter, attach_multi_lora
 from inflight.models.lora_adapter import LoraAdapter, select_targets
 from inflight.trainer.adapter_checkpoint import optimizer_state_dict, read_adapter_tensors
-from inflight.trainer.optim import adamw_step
+from inflight.trainer.optim import adamw_step, new_adamw
 from inflight.trainer.tinker_losses import PreparedJob
 from inflight.trainer.tinker_pass import FbWork, run_forward_backward
 from inflight.trainer.types import ForwardBackwardOutput, LoraSpec, OptimStep
@@ -65,7 +65,7 @@ class AdapterSet:
         adapter = LoraAdapter.create(shapes, spec.rank, spec.seed, self.device, alpha=spec.alpha)
         adapter.zero_grad_buffers()
         # lr etc. are placeholders: every optim_step sets its own hyper-parameters.
-        optimizer = torch.optim.AdamW(adapter.parameters(), lr=0.0)
+        optimizer = new_adamw(adapter.parameters())
         return TrainedAdapter(spec=spec, adapter=adapter, optimizer=optimizer)
 
     def create(self, name: str, spec: LoraSpec) -> TrainedAdapter:

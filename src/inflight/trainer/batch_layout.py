@@ -113,10 +113,8 @@ class MicroBatch:
             raise ValueError("every TrainSample needs at least 2 tokens (a context and a target)")
 
         def pad(rows: Sequence[Sequence[float]], dtype: torch.dtype, value: float = 0) -> torch.Tensor:
-            out = torch.full((len(rows), width), value, dtype=dtype)
-            for i, row in enumerate(rows):
-                out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-            return out
+            # One tensor from padded lists: a copy per row costs more than the rows' values.
+            return torch.tensor([[*row, *[value] * (width - len(row))] for row in rows], dtype=dtype)
 
         inputs = [s.token_ids[:-1] for s in samples]
         packed = {}
@@ -151,34 +149,48 @@ def _packed_layout(
     group_lengths = [g.laid_out_length(lengths) for g in groups]
     width = max(group_lengths)
     rows = pack_rows(group_lengths, capacity=width)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    positions = torch.arange(width).repeat(len(rows), 1)
-    segment = torch.full((len(rows), width), -1, dtype=torch.long)  # which group a token belongs to
-    branch = torch.full((len(rows), width), -1, dtype=torch.long)  # its member's branch; -1: the prefix
-    flat = torch.zeros((len(inputs), max(lengths)), dtype=torch.long)
+    # Built as Python lists, then one tensor each: per-span tensor copies cost more than the tokens.
+    ids: list[list[int]] = []
+    positions: list[list[int]] = []
+    segment: list[list[int]] = []  # which group a token belongs to; -1: the row's unused tail
+    branch: list[list[int]] = []  # its member's branch; -1: the prefix (or the tail)
+    flat = [[0] * max(lengths) for _ in inputs]
     for r, members in enumerate(rows):
-        start = 0
+        row_ids: list[int] = []
+        row_positions: list[int] = []
+        row_segment: list[int] = []
+        row_branch: list[int] = []
         for g in members:
             group, shared = groups[g], groups[g].shared
-            ids[r, start : start + shared] = torch.tensor(inputs[group.members[0]][:shared])
-            positions[r, start : start + shared] = torch.arange(shared)
-            segment[r, start : start + shared] = g
-            cursor = start + shared
+            base = r * width + len(row_ids)
+            prefix = range(base, base + shared)
+            row_ids += inputs[group.members[0]][:shared]
+            row_positions += range(shared)
+            row_segment += [g] * shared
+            row_branch += [-1] * shared
             for j, i in enumerate(group.members):
                 n = lengths[i] - shared
-                ids[r, cursor : cursor + n] = torch.tensor(inputs[i][shared:], dtype=torch.long)
-                positions[r, cursor : cursor + n] = torch.arange(shared, lengths[i])
-                segment[r, cursor : cursor + n] = g
-                branch[r, cursor : cursor + n] = j
-                base = r * width
-                flat[i, :shared] = torch.arange(base + start, base + start + shared)
-                flat[i, shared : lengths[i]] = torch.arange(base + cursor, base + cursor + n)
-                cursor += n
-            start = cursor
-        positions[r, start:] = torch.arange(width - start)
-    out = {"packed_ids": ids, "packed_positions": positions, "packed_flat": flat}
+                cursor = r * width + len(row_ids)
+                flat[i][:shared] = prefix
+                flat[i][shared : lengths[i]] = range(cursor, cursor + n)
+                row_ids += inputs[i][shared:]
+                row_positions += range(shared, lengths[i])
+                row_segment += [g] * n
+                row_branch += [j] * n
+        tail = width - len(row_ids)
+        ids.append(row_ids + [pad_id] * tail)
+        positions.append(row_positions + list(range(tail)))
+        segment.append(row_segment + [-1] * tail)
+        branch.append(row_branch + [-1] * tail)
+    out = {
+        "packed_ids": torch.tensor(ids, dtype=torch.long),
+        "packed_positions": torch.tensor(positions, dtype=torch.long),
+        "packed_flat": torch.tensor(flat, dtype=torch.long),
+    }
     if any(len(g.members) > 1 for g in groups):
-        out["packed_mask"] = _shared_prefix_mask(segment, branch)
+        out["packed_mask"] = _shared_prefix_mask(
+            torch.tensor(segment, dtype=torch.long), torch.tensor(branch, dtype=torch.long)
+        )
     return out
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from inflight.errors import UserError
-from inflight.trainer.optim import adamw_step
+from inflight.trainer.optim import adamw_step, new_adamw
 from inflight.trainer.types import OptimStep
 from inflight.types import AdapterUpdate
 
@@ -72,7 +72,7 @@ class FullPolicy:
     def __init__(self, model: nn.Module, keep_reference: bool) -> None:
         self.model = model
         # Hyper-parameters are set by every optim_step (a schedule changes lr per step).
-        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.parameters(), lr=0.0)
+        self.optimizer: torch.optim.Optimizer = new_adamw(self.parameters())
         self.ref_model: nn.Module | None = None
         if keep_reference:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
