@@ -82,7 +82,10 @@ def _summary(history: list[dict[str, float]], wall_s: float, rollouts_per_step: 
         "steps": steps,
         "reward_first5": round(statistics.fmean(h["reward_mean"] for h in history[:5]), 4),
     }
-    for key in ("trainer_idle_frac", "engine_idle_frac", "weight_publish_s", "lag_steps_max"):
+    keys = ("trainer_idle_frac", "engine_idle_frac", "weight_publish_s", "lag_steps_max", "train_s")
+    # What each step trained: the work behind a step differs with the policy (uninformative groups skipped).
+    keys += ("groups_uninformative_frac", "num_sequences", "num_tokens", "forward_tokens")
+    for key in keys:
         values = [h[key] for h in history if key in h]
         if values:
             out[f"{key}_mean"] = round(statistics.fmean(values), 4)

@@ -4,6 +4,7 @@ or dies reported in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -14,8 +15,20 @@ import torch
 
 from inflight.config import RunConfig
 from inflight.errors import UserError
+from inflight.metrics.logger import MetricsLogger
 from inflight.models import load_model, load_tokenizer
-from inflight.orchestrator.setup import build_loop_trainer, wants_trainer_process
+from inflight.orchestrator.pipeline import run_pipeline
+from inflight.orchestrator.setup import (
+    build_engine,
+    build_loop_trainer,
+    load_policy,
+    pinned_trainer_cpus,
+    wants_trainer_process,
+)
+from inflight.orchestrator.sync_loop import LoopParts
+from inflight.orchestrator.target import resolve_target
+from inflight.orchestrator.task import load_split
+from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import LossConfig, Trainer, TrainerConfig
 from inflight.trainer.process import TrainerProcess, TrainerProcessError, shared_memory_shortfall
 from test_trainer import make_grouped_samples
@@ -175,3 +188,64 @@ def test_too_little_shared_memory_falls_back_to_a_thread_or_is_refused_when_aske
     asked = RunConfig(mode="async", pipeline={"trainer_process": True})
     with pytest.raises(UserError, match=r"pipeline.trainer_process=true: /dev/shm has 1 MiB free.*=false"):
         build_loop_trainer(asked, load_model(tiny_model_dir), tokenizer)
+
+
+# ---- pinning (pipeline.pin_cpus) ------------------------------------------------------------------------
+
+
+def test_pin_cpus_gives_the_trainer_the_last_cpus_where_the_stages_would_share_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def pinned(choice: object, cpus: set[int], threads: int = 1) -> frozenset[int] | None:
+        cfg = RunConfig(mode="async", pipeline={"pin_cpus": choice, "torch_threads": threads})
+        return pinned_trainer_cpus(cfg, frozenset(cpus))
+
+    assert pinned("auto", {0, 1}) == {1}
+    assert pinned("auto", {2, 5}) == {5}  # this process's CPUs, not 0..n-1
+    assert pinned("auto", {0, 1, 2, 3}, threads=2) == {2, 3}
+    assert pinned("auto", {0, 1, 2, 3}) is None  # room for both: the OS keeps them apart
+    assert pinned("auto", {0}) is None
+    assert pinned(True, {0, 1, 2, 3}) == {3}
+    assert pinned(False, {0, 1}) is None
+    with caplog.at_level(logging.WARNING):
+        assert pinned(True, {0}) is None
+    assert "pipeline.pin_cpus=true: 1 CPUs cannot give the engine and the trainer 1 each" in caplog.text
+
+
+def test_a_pinned_trainer_leaves_the_other_cpus_to_the_engine_side_and_the_run_restores_them(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    available = os.sched_getaffinity(0)
+    assert len(available) >= 2, "pinning needs 2 CPUs (this machine kind has them)"
+    task = resolve_target("blackjack")
+    cfg = task.config()
+    cfg.mode, cfg.progress, cfg.run_dir = "async", False, str(tmp_path)
+    cfg.model.path = str(tiny_model_dir)
+    cfg.grpo.steps, cfg.grpo.prompts_per_step, cfg.grpo.group_size = 2, 2, 2
+    cfg.pipeline.active_sampling, cfg.pipeline.pin_cpus = False, True
+    model, tokenizer = load_policy(cfg)
+    seen: set[frozenset[int]] = set()
+
+    async def generate_rollout(ctx, problem):  # type: ignore[no-untyped-def]
+        seen.add(frozenset(os.sched_getaffinity(0)))  # the rollouts' event loop: the engine's side
+        return await task.generate_rollout(ctx, problem)
+
+    trainer = build_loop_trainer(cfg, model, tokenizer)
+    assert isinstance(trainer, TrainerProcess)
+    try:
+        assert trainer.cpus == {max(available)}
+        assert os.sched_getaffinity(trainer.pid) == trainer.cpus
+        spy = dataclasses.replace(task, generate_rollout=generate_rollout)
+        parts = LoopParts(
+            build_engine(cfg, model, tokenizer),
+            trainer,
+            ChatFormat(tokenizer),
+            spy,
+            load_split(task, "train"),
+        )
+        history = run_pipeline(parts, cfg, MetricsLogger(tmp_path), tmp_path)
+    finally:
+        trainer.close()
+    assert len(history) == 2
+    assert seen == {frozenset(available - trainer.cpus)}
+    assert os.sched_getaffinity(0) == available  # what runs after the pipeline has every CPU again

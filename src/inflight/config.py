@@ -124,6 +124,11 @@ class PipelineConfig(_Config):
     # The trainer in a process of its own (trainer/process.py): its own GIL and core, the weights shared in
     # memory. "auto": with an engine in this process on the CPU and at least 2 cores; false: a thread here.
     trainer_process: bool | Literal["auto"] = "auto"
+    # With a trainer process, pin it to the last torch_threads CPUs this process may use and the engine's
+    # side (its thread, the rollouts' event loop) to the others, so neither side's threads land on the
+    # other's core. "auto": when the CPUs number exactly the two stages' threads (2 x torch_threads), the
+    # case where the two would otherwise share them; true: whenever there are that many; false: never.
+    pin_cpus: bool | Literal["auto"] = "auto"
 
 
 class RayConfig(_Config):

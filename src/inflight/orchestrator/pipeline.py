@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import threading
 import time
@@ -59,6 +60,7 @@ from inflight.orchestrator.sync_loop import LoopParts, rollout_metrics, sampling
 from inflight.orchestrator.task import train_problem
 from inflight.rollouts.api import RolloutContext
 from inflight.trainer.lora_policy import ADAPTER_NAME
+from inflight.trainer.process import TrainerProcess
 from inflight.types import Completion, RolloutGroup, SampleRequest
 
 
@@ -312,12 +314,20 @@ class _Pipeline:
         # One core each for the engine thread and the trainer (torch's pool is process-wide: a trainer thread
         # here shares it, a trainer process has its own of the same size). Restored at the end: what runs
         # after the pipeline (the final evaluation) has the cores to itself again.
-        threads = torch.get_num_threads()
+        # A trainer process pinned to its CPUs (pipeline.pin_cpus) leaves the others to the engine's side:
+        # this thread, and the threads it starts (the engine's, the event loop's workers), which inherit it.
+        threads, cpus = torch.get_num_threads(), os.sched_getaffinity(0)
+        trainer = self.parts.trainer
+        engine_cpus = cpus - trainer.cpus if isinstance(trainer, TrainerProcess) and trainer.cpus else None
         torch.set_num_threads(self.cfg.pipeline.torch_threads)
+        if engine_cpus:
+            os.sched_setaffinity(0, engine_cpus)
         try:
             return self._run(evaluate)
         finally:
             torch.set_num_threads(threads)
+            if engine_cpus:
+                os.sched_setaffinity(0, cpus)
 
     def _run(self, evaluate: Callable[[Driver], dict[str, float]] | None) -> list[dict[str, float]]:
         loop, trainer = self.loop, self.parts.trainer

@@ -94,11 +94,17 @@ class TrainerProcess:
 
     `model` stays usable here and always holds the trainer's current weights between two calls; under
     LoRA the child wraps its own view of the layers, so here the model keeps the frozen base. `threads`:
-    the child's torch threads. Close it (or use it as a context manager) to stop the child.
+    the child's torch threads; `cpus`: the CPUs the child is pinned to (None: wherever the OS puts it).
+    Close it (or use it as a context manager) to stop the child.
     """
 
     def __init__(
-        self, model: torch.nn.Module, config: TrainerConfig, pad_id: int = 0, threads: int = 1
+        self,
+        model: torch.nn.Module,
+        config: TrainerConfig,
+        pad_id: int = 0,
+        threads: int = 1,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         if any(p.device.type != "cpu" for p in model.parameters()):
             raise UserError(
@@ -106,13 +112,14 @@ class TrainerProcess:
             )
         self.config = config
         self.version = 0
+        self.cpus = cpus
         self._model = model
         model.share_memory()  # the child's parameters are these tensors, not a copy
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=_serve,
-            args=(model, config, pad_id, threads, child_conn),
+            args=(model, config, pad_id, threads, cpus, child_conn),
             name="inflight-trainer",
             daemon=True,  # never outlives this process
         )
@@ -123,6 +130,10 @@ class TrainerProcess:
         except BaseException:  # the Trainer could not be built there (its error is raised): no child left
             self.close()
             raise
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
 
     # -- the Trainer's methods ----------------------------------------------------------------------------
     def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
@@ -210,14 +221,17 @@ def _serve(
     config: TrainerConfig,
     pad_id: int,
     threads: int,
+    cpus: frozenset[int] | None,
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """The child: build the Trainer over the shared model, then answer calls until told to stop."""
     # Ctrl-C reaches the whole process group: the parent shuts the run down (its last checkpoint is a call
     # to this child) and then stops the child; interrupted here, the child would die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
     try:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)  # before torch's threads start: they inherit it
+        torch.set_num_threads(threads)
         trainer = Trainer(model, config, pad_id=pad_id)
     except BaseException as e:
         conn.send(_failure(e))
