@@ -28,9 +28,9 @@ step() {  # name, seconds, command...
 nvidia-smi -L
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 # 1. The gpu-marked tests: engine (fast and HF runners, sampled and raw logprobs, seeded rows), trainer, and
-#    the data-parallel trainer on one NCCL rank.
+#    the data-parallel trainer and the sharded (FSDP2) one on one NCCL rank.
 step gpu_tests 150 python3 -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_engine_lora.py tests/test_trainer_lora.py \
-    tests/test_trainer_distributed.py
+    tests/test_trainer_distributed.py tests/test_trainer_fsdp.py
 # 2. The service on its default device (auto: CUDA here), driven by the tinker SDK.
 step service_sdk 170 python3 -m pytest -p no:cacheprovider -q -rfE -x tests/test_api_sdk.py tests/test_service_compute.py
 # 3. The pipeline: BlackJack with the engine and the trainer on the GPU, a few steps end to end.
