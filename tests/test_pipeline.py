@@ -25,6 +25,7 @@ from inflight.config import RunConfig
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.pipeline import run_pipeline
 from inflight.orchestrator.publish import policy_engine
+from inflight.orchestrator.remote_engine import weight_transport
 from inflight.orchestrator.run import train
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, pad_id
 from inflight.orchestrator.sync_loop import LoopParts
@@ -148,10 +149,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("lora_rank", [0, 8])
-def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed, lora_rank: int) -> None:
-    """The engine in its own process (`inflight serve-engine`); weights reach it by the filesystem. Under
-    LoRA the replica gets the warmed-up base once, then only the adapter, and samples with it."""
+def test_weights_go_by_the_filesystem_only_to_replicas_on_this_machine() -> None:
+    local = ["http://127.0.0.1:8001", "http://localhost:8002", "http://[::1]:8003"]
+    assert weight_transport("auto", local) == "filesystem"
+    assert weight_transport("auto", [*local, "http://198.51.100.7:8001"]) == "http"  # another node
+    assert weight_transport("auto", ["http://engine-0.cluster.invalid:8001"]) == "http"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.connect(("192.0.2.1", 9))  # sends nothing: the kernel picks the interface it would use
+        ours = udp.getsockname()[0]  # this machine's own address, as Ray names a node
+    assert ours not in ("127.0.0.1", "0.0.0.0")
+    assert weight_transport("auto", [f"http://{ours}:8001"]) == "filesystem"
+    assert weight_transport("filesystem", ["http://198.51.100.7:8001"]) == "filesystem"  # a shared mount
+    assert weight_transport("http", local) == "http"
+
+
+@pytest.mark.parametrize(
+    ("lora_rank", "transport"), [(0, "filesystem"), (8, "filesystem"), (0, "http"), (8, "http")]
+)
+def test_pipeline_with_an_engine_replica_over_http(
+    tmp_path: Path, warmed, lora_rank: int, transport: str
+) -> None:
+    """The engine in its own process (`inflight serve-engine`); weights reach it by the filesystem, or in
+    the request bodies (`pipeline.weight_transport=http`: no file is written). Under LoRA the replica gets
+    the warmed-up base once, then only the adapter, and samples with it."""
     _, model_dir = warmed
     port = free_port()
     server = subprocess.Popen(
@@ -172,7 +192,7 @@ def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed, lora_
                 pass
             assert time.monotonic() < deadline, "serve-engine did not answer /health within 300 s"
             time.sleep(0.2)
-        cfg = small_config(tmp_path, max_staleness_steps=1, engine_urls=[url])
+        cfg = small_config(tmp_path, max_staleness_steps=1, engine_urls=[url], weight_transport=transport)
         # Steps whose groups all have equal rewards train nothing (no active sampling here): 6 steps, so
         # that at least 2 updates happen (4 let a run with 3 such steps end at version 1).
         cfg.mode, cfg.grpo.steps = "async", 6
@@ -192,8 +212,11 @@ def test_pipeline_with_an_engine_replica_over_http(tmp_path: Path, warmed, lora_
     parity = [h["logprob_parity_max_abs"] for h in history if h.get("logprob_parity_token_frac", 0) > 0]
     assert parity and max(parity) < 1e-3, parity  # the replica samples with the trainer's weights
     if lora_rank:
-        assert weight_files == ["weights-00000000.safetensors"]  # the warmed-up base, once
         assert served["adapters"] == {ADAPTER_NAME: parts.trainer.version}, served
+    if transport == "http":
+        assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").rglob("*.safetensors"))
+    elif lora_rank:
+        assert weight_files == ["weights-00000000.safetensors"]  # the warmed-up base, once
     else:
         assert weight_files
 

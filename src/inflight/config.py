@@ -119,6 +119,10 @@ class PipelineConfig(_Config):
     # Inference replicas (`inflight serve-engine` URLs); empty = an engine in this process. With replicas,
     # weights reach them through the filesystem transport (safetensors in RUN_DIR/weights, atomic rename).
     engine_urls: list[str] = Field(default_factory=list)
+    # How new weights reach the replicas: "filesystem" (safetensors in RUN_DIR/weights, the replica told the
+    # path: needs a filesystem both see), "http" (the bytes in the request body: any network), or "auto"
+    # (filesystem when every replica is on this machine: loopback or one of its addresses; else http).
+    weight_transport: Literal["auto", "filesystem", "http"] = "auto"
     batch_timeout_s: float = 600.0  # the trainer's wait for a full batch
     torch_threads: int = 1  # per stage: the engine thread and the trainer (thread or process) each get a core
     # The trainer in a process of its own (trainer/process.py): its own GIL and core, the weights shared in

@@ -55,7 +55,7 @@ from inflight.metrics.progress import StepProgress
 from inflight.orchestrator.drivers import Driver, SubmitDriver
 from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.publish import publish, publish_initial
-from inflight.orchestrator.remote_engine import RemoteEngines
+from inflight.orchestrator.remote_engine import RemoteEngines, weight_transport
 from inflight.orchestrator.sync_loop import LoopParts, rollout_metrics, sampling_params, to_train_samples
 from inflight.orchestrator.task import train_problem
 from inflight.rollouts.api import RolloutContext
@@ -112,6 +112,7 @@ class _Pipeline:
                 cfg.pipeline.engine_urls,
                 run_dir / "weights",
                 policy_adapter=ADAPTER_NAME if cfg.trainer.lora_rank else None,
+                transport=weight_transport(p.weight_transport, p.engine_urls),
             )
             if cfg.pipeline.engine_urls
             else EngineLoop(parts.engine)

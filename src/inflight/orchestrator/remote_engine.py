@@ -4,6 +4,8 @@ Rollouts call the replicas through the balanced client (least outstanding reques
 new weights go through the filesystem transport (safetensors written by atomic rename) and each
 replica is told to install them (`/update_weights`), between two of its decode steps. A LoRA adapter goes
 the same way: a PEFT adapter directory written next to the weights, then `/set_adapter` on each replica.
+Without a filesystem the replicas share (`transport="http"`, `pipeline.weight_transport`), the same
+updates travel as safetensors bytes in the request bodies (`/update_weights_raw`, `/set_adapter_raw`).
 The interface is the engine loop's: `version`, `generate`, `submit`, `update_weights`, plus `set_adapter`
 / `remove_adapter` and async start/close because the client lives on the pipeline's event loop.
 """
@@ -15,17 +17,44 @@ import concurrent.futures
 import hashlib
 import re
 import shutil
+import socket
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from inflight.inference.adapter_files import write_adapter_dir
-from inflight.inference.client import BalancedClient
+from inflight.inference.client import BalancedClient, weights_bytes
 from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate
 from inflight.weight_sync.filesystem import FilesystemPublisher, FilesystemSyncConfig, weights_path
 
 T = TypeVar("T")
 ADAPTER_VERSIONS_KEPT = 2  # as the weights' keep_last: a replica still reading the previous one finds it
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+def weight_transport(
+    choice: Literal["auto", "filesystem", "http"], urls: list[str]
+) -> Literal["filesystem", "http"]:
+    """`pipeline.weight_transport` resolved for `urls`: "auto" is the filesystem when every replica is on
+    this machine (it reads the files this process writes), else the request bodies."""
+    if choice == "filesystem" or choice == "http":
+        return choice
+    local = all(_is_this_machine(urlsplit(url).hostname or "") for url in urls)
+    return "filesystem" if local else "http"
+
+
+def _is_this_machine(host: str) -> bool:
+    """Loopback, or an address of one of this machine's interfaces (binding to it succeeds only then: a
+    replica a launcher placed on this node by its IP)."""
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, 0))
+    except OSError:  # not ours, or a name that does not resolve
+        return False
+    return True
 
 
 def adapter_path(root: Path, name: str, version: int) -> Path:
@@ -43,10 +72,13 @@ class RemoteEngines:
         weights_dir: Path,
         update_timeout_s: float = 600.0,
         policy_adapter: str | None = None,
+        transport: Literal["filesystem", "http"] = "filesystem",
     ) -> None:
         """`policy_adapter`: LoRA RL; every request samples with that adapter, and `version` is its version
-        (the policy's), not the base weights'."""
+        (the policy's), not the base weights'. `transport`: how updates reach the replicas (files in
+        `weights_dir` they can read, or the request bodies)."""
         self.urls = urls
+        self.transport = transport
         self.policy_adapter = policy_adapter
         self._publisher = FilesystemPublisher(FilesystemSyncConfig(root=str(weights_dir)))
         self._weights_dir = weights_dir
@@ -85,17 +117,25 @@ class RemoteEngines:
         return asyncio.run_coroutine_threadsafe(self.generate(request, self._update_timeout_s), self._loop)
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """From the trainer thread: write the file, then wait until every live replica generates with it."""
+        """From the trainer thread: write the file (or send the bytes), then wait until every live replica
+        generates with it."""
         assert self._client is not None, "RemoteEngines.astart() first"
-        self._publisher.publish(update.state_dict, update.version)
-        path = str(weights_path(self._weights_dir, update.version).resolve())
-        self._wait(self._client.update_weights(path, update.version))
+        if self.transport == "http":
+            self._wait(self._client.update_weights_raw(weights_bytes(update.state_dict), update.version))
+        else:
+            self._publisher.publish(update.state_dict, update.version)
+            path = str(weights_path(self._weights_dir, update.version).resolve())
+            self._wait(self._client.update_weights(path, update.version))
         self._version = update.version
 
     def set_adapter(self, update: AdapterUpdate) -> None:
         """From the trainer thread: write the adapter as a PEFT directory, then wait until every live replica
         has it (a replacement reaches the requests running on it between two decode steps)."""
         assert self._client is not None, "RemoteEngines.astart() first"
+        if self.transport == "http":
+            self._wait(self._client.set_adapter_raw(update))
+            self.adapter_versions[update.name] = update.version
+            return
         path = adapter_path(self._weights_dir, update.name, update.version)
         write_adapter_dir(path, update)
         self._wait(self._client.set_adapter(update.name, str(path.resolve()), update.version))
