@@ -211,6 +211,52 @@ def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
     wait_until_released(ray_cluster)
 
 
+def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops_the_run_in_one_line(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ray.num_trainer_ranks=2: the run's actor is rank 0, a TrainerRank actor rank 1; every step is split
+    across the two (gloo) and both end with the same weights. Then the same run with rank 1 killed after
+    a checkpoint: one line that names the lost rank and how to resume."""
+    small = ["ray.num_trainer_ranks=2", "ray.engine_cpus=0.5", "ray.trainer_cpus=0.5", "launcher=ray"]
+    run_dir = tmp_path / "ranks"
+    summary = run_cli(
+        capsys, "run", "blackjack", *tiny_run(tiny_model_dir, 3), *small, "--run-dir", str(run_dir)
+    )
+    assert summary["steps"] == 3
+    trained = [r for r in metrics_rows(run_dir, "train") if "loss" in r]
+    assert trained, "at least one step must have trained"
+    # Metrics merged over the two ranks' shares: the split is reported (1.0 = equal token counts).
+    assert all(r["dp_token_imbalance"] >= 1.0 for r in trained), trained
+    assert (run_dir / "checkpoint" / "model.safetensors").is_file()
+    wait_until_released(ray_cluster)
+
+    lost_dir = tmp_path / "lost"
+
+    def kill_rank_1_after_a_checkpoint() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, json.JSONDecodeError):
+                if len(metrics_rows(lost_dir, "train")) >= 3:  # step 2's checkpoint is written before step 3
+                    break
+            time.sleep(0.1)
+        ray_cluster.kill(ray_cluster.get_actor(f"{lost_dir.name}:rank-1"))
+
+    killer = threading.Thread(target=kill_rank_1_after_a_checkpoint, daemon=True)
+    killer.start()
+    capsys.readouterr()
+    argv = [*tiny_run(tiny_model_dir, 40), *small, "checkpoint_every_steps=2", "--run-dir", str(lost_dir)]
+    code = main(["run", "blackjack", *argv])
+    killer.join(10)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("inflight: error:")]
+    assert len(errors) == 1 and "a data-parallel trainer rank died" in errors[0], err
+    assert f"run_dir={lost_dir}" in errors[0] and "resume" in errors[0]
+    assert "Traceback" not in err
+    assert checkpoint_step(lost_dir / "checkpoint") >= 2
+    wait_until_released(ray_cluster)
+
+
 def test_placement_bundles_follow_the_devices() -> None:
     cfg = resolve_target("blackjack").config()
     cpu = apply_overrides(cfg, ["ray.num_engine_replicas=2", "ray.engine_cpus=2"])
@@ -218,6 +264,11 @@ def test_placement_bundles_follow_the_devices() -> None:
     gpu = apply_overrides(cfg, ["engine.device=cuda:1", "trainer.device=auto", "ray.trainer_gpus=0.5"])
     assert bundles(gpu, cluster_has_gpus=True) == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 0.5}]
     assert bundles(gpu, cluster_has_gpus=False) == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0}]
+    ranks = apply_overrides(gpu, ["ray.num_trainer_ranks=3"])  # a bundle per trainer rank, the run's first
+    assert bundles(ranks, cluster_has_gpus=True) == [
+        {"CPU": 1.0, "GPU": 1.0},
+        *[{"CPU": 1.0, "GPU": 0.5}] * 3,
+    ]
 
 
 def test_without_ray_installed_the_launcher_says_how_to_get_it(

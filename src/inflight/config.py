@@ -144,6 +144,9 @@ class RayConfig(_Config):
     num_engine_replicas: int = Field(default=1, ge=1)  # engine actors, each serving HTTP; a GPU each on cuda
     engine_cpus: float = Field(default=1.0, gt=0)  # per replica's bundle
     trainer_cpus: float = Field(default=1.0, gt=0)  # the bundle of the trainer and the rollout loop
+    # Data-parallel trainer ranks (trainer/distributed.py over gloo, or NCCL on GPUs): rank 0 is the run's
+    # own actor, each other rank an actor on a bundle of its own (trainer_cpus, trainer_gpus).
+    num_trainer_ranks: int = Field(default=1, ge=1)
     # GPUs per bundle where engine.device / trainer.device is cuda (or auto on a cluster with GPUs); a
     # fraction lets replicas or the trainer share one GPU.
     engine_gpus: float = Field(default=1.0, gt=0)
@@ -155,6 +158,9 @@ class RayConfig(_Config):
     # The placement group's bundles, then each replica's model load and first /health answer.
     placement_timeout_s: float = Field(default=120.0, gt=0)
     replica_start_timeout_s: float = Field(default=600.0, gt=0)
+    # Data-parallel ranks: joining the group, and each collective (a rank waits at most this long for the
+    # others in a step: a dead or hung rank fails the run instead of stalling it).
+    trainer_collective_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class RunConfig(_Config):

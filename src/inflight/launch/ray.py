@@ -23,6 +23,7 @@ from inflight.config import RayConfig, RunConfig
 from inflight.errors import UserError, describe
 
 RAY_MISSING = "launcher=ray needs Ray: pip install 'inflight[ray]'"
+COLLECTIVE_FAILURE_WAIT_S = 30.0  # after a collective broke here, how long the other ranks get to say why
 WATCH_INTERVAL_S = 1.0  # how often the trainer's actor asks each replica which process serves it
 
 
@@ -67,11 +68,14 @@ class Placement:
     driver: Any  # None until started
     cfg: RunConfig
     target: str
+    ranks: list[Any]  # the trainer ranks after the run's own (rank 0): ray.num_trainer_ranks - 1 actors
 
     def run(self) -> dict[str, Any]:
         exceptions = self.ray.exceptions
         try:
-            return self.ray.get(self.driver.run.remote(self.cfg, self.target, self.replicas, self.infos))
+            return self.ray.get(
+                self.driver.run.remote(self.cfg, self.target, self.replicas, self.infos, self.ranks)
+            )
         except exceptions.RayTaskError as e:
             if isinstance(e.cause, UserError):  # bad input found inside the actor: still one line
                 raise UserError(str(e.cause)) from None
@@ -84,7 +88,7 @@ class Placement:
 
     def release(self) -> None:
         """The run's actors and its reservation go; the cluster stays (unless this launcher started it)."""
-        for actor in [self.driver, *self.replicas]:
+        for actor in [self.driver, *self.ranks, *self.replicas]:
             if actor is not None:
                 self.ray.kill(actor, no_restart=True)
         from ray.util.placement_group import remove_placement_group
@@ -93,8 +97,9 @@ class Placement:
 
 
 def bundles(cfg: RunConfig, cluster_has_gpus: bool) -> list[dict[str, float]]:
-    """The placement group's bundles: one per engine replica, then the trainer's. A GPU (or the fraction
-    ray.*_gpus) where the component's device is cuda ("auto": where the cluster has GPUs)."""
+    """The placement group's bundles: one per engine replica, then one per trainer rank (the first is the
+    run's own). A GPU (or the fraction ray.*_gpus) where the component's device is cuda ("auto": where the
+    cluster has GPUs)."""
     r = cfg.ray
     engine = {"CPU": r.engine_cpus} | (
         {"GPU": r.engine_gpus} if _on_gpu(cfg.engine.device, cluster_has_gpus) else {}
@@ -102,7 +107,7 @@ def bundles(cfg: RunConfig, cluster_has_gpus: bool) -> list[dict[str, float]]:
     trainer = {"CPU": r.trainer_cpus} | (
         {"GPU": r.trainer_gpus} if _on_gpu(cfg.trainer.device, cluster_has_gpus) else {}
     )
-    return [engine] * r.num_engine_replicas + [trainer]
+    return [engine] * r.num_engine_replicas + [trainer] * r.num_trainer_ranks
 
 
 def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
@@ -114,6 +119,9 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
         bundle N       the run: the trainer, the rollout loop and the result stream (`orchestrator/run.py`,
                        one process as in a local run) reaching the replicas through `pipeline.engine_urls`;
                        weights go to them as files in RUN_DIR/weights (`/update_weights`, `/set_adapter`)
+                       or in the request bodies (`pipeline.weight_transport`)
+        bundle N+k     data-parallel trainer rank k (k < ray.num_trainer_ranks): an actor holding a replica of
+                       the trainer (`TrainerRank`); the run's actor is rank 0 and drives every step
 
     The rollouts, the stream and the trainer share one process, so the default file stream in the run
     directory serves any cluster; only the weight files and the model need storage every node can read.
@@ -140,7 +148,7 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
     def on_bundle(index: int) -> Any:
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
 
-    placed = Placement(ray, group, [], [], None, cfg, target)
+    placed = Placement(ray, group, [], [], None, cfg, target, [])
     try:
         _start_actors(ray, placed, shape, on_bundle)
     except BaseException:
@@ -152,11 +160,17 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
 
 
 def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on_bundle: Any) -> None:
-    """The replicas on bundles 0..N-1 (waiting until each serves), the run's actor on bundle N."""
-    cfg, n = placed.cfg, len(shape) - 1
+    """The replicas on bundles 0..N-1 (waiting until each serves), the run's actor on bundle N, the other
+    trainer ranks on the bundles after it."""
+    cfg, n = placed.cfg, placed.cfg.ray.num_engine_replicas
     run_dir = Path(cfg.run_dir or ".")
-    # Named RUN_NAME:engine-i and RUN_NAME:run, so that `ray.get_actor` finds them (to inspect or kill).
-    replica_cls, driver_cls = ray.remote(EngineReplica), ray.remote(RunDriver)
+    # Named RUN_NAME:engine-i, RUN_NAME:run and RUN_NAME:rank-k, so that `ray.get_actor` finds them (to
+    # inspect or kill).
+    replica_cls, driver_cls, rank_cls = (
+        ray.remote(EngineReplica),
+        ray.remote(RunDriver),
+        ray.remote(TrainerRank),
+    )
     for i in range(n):
         gpus = shape[i].get("GPU", 0.0)
         port_task = ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on_bundle(i))
@@ -176,6 +190,15 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
         num_gpus=shape[n].get("GPU", 0.0),
         scheduling_strategy=on_bundle(n),
     ).remote()
+    for k in range(1, cfg.ray.num_trainer_ranks):
+        placed.ranks.append(
+            rank_cls.options(
+                name=f"{run_dir.name}:rank-{k}",
+                num_cpus=shape[n + k]["CPU"],
+                num_gpus=shape[n + k].get("GPU", 0.0),
+                scheduling_strategy=on_bundle(n + k),
+            ).remote()
+        )
     try:
         placed.infos = ray.get(
             [r.info.remote() for r in placed.replicas], timeout=cfg.ray.replica_start_timeout_s
@@ -220,13 +243,144 @@ class RunDriver:
     """The run itself, on the trainer's bundle: `orchestrator.run.run` with the replicas as its engine."""
 
     def run(
-        self, cfg: RunConfig, target: str, replicas: list[Any], infos: list[ReplicaInfo]
+        self,
+        cfg: RunConfig,
+        target: str,
+        replicas: list[Any],
+        infos: list[ReplicaInfo],
+        ranks: list[Any],
     ) -> dict[str, Any]:
         from inflight.orchestrator.run import run
         from inflight.orchestrator.target import resolve_target
 
-        with ReplicaWatch(replicas, infos) as watch:
-            return run(cfg, resolve_target(target), launcher_metrics=watch.metrics)
+        made: list[RankedTrainer] = []
+
+        def ranked(cfg: RunConfig, model: Any, tokenizer: object) -> RankedTrainer:
+            made.append(RankedTrainer(cfg, model, tokenizer, ranks))
+            return made[-1]
+
+        try:
+            with ReplicaWatch(replicas, infos) as watch:
+                return run(
+                    cfg,
+                    resolve_target(target),
+                    launcher_metrics=watch.metrics,
+                    make_trainer=ranked if ranks else None,
+                )
+        finally:
+            for trainer in made:
+                trainer.close()
+
+
+class TrainerRank:
+    """Data-parallel trainer rank k >= 1 on a bundle of its own: a `DataParallelTrainer` over the run's
+    warmed-up weights (sent by rank 0), stepping on every batch rank 0 steps on, over its share of it."""
+
+    def start(
+        self, cfg: RunConfig, weights: dict[str, Any], rank: int, world_size: int, init_method: str
+    ) -> None:
+        import torch
+
+        from inflight.orchestrator.setup import load_policy, pad_id, run_trainer_config
+        from inflight.trainer.distributed import DataParallelTrainer, init_data_parallel
+
+        torch.set_num_threads(max(1, int(cfg.ray.trainer_cpus)))
+        model, tokenizer = load_policy(cfg)
+        model.load_state_dict(weights)
+        config = run_trainer_config(cfg.trainer, cfg.grpo.steps)
+        timeout_s = cfg.ray.trainer_collective_timeout_s
+        group = init_data_parallel(rank, world_size, init_method, config.device, timeout_s)
+        self.trainer = DataParallelTrainer(model, config, group, pad_id(tokenizer))
+
+    def train_step(self, samples: list[Any]) -> int:
+        self.trainer.train_step(samples)
+        return self.trainer.version
+
+    def resume_checkpoint(self, path: str) -> int:
+        self.trainer.resume_checkpoint(path)
+        return self.trainer.version
+
+
+class RankedTrainer:
+    """Rank 0 of `ray.num_trainer_ranks` data-parallel ranks, in the run's actor: the trainer the run's loop
+    drives (`StepTrainer`). A step goes to every rank at once (the others are `TrainerRank` actors, each
+    training its share and summing gradients with the rest over torch.distributed); weights, adapters and
+    checkpoints are rank 0's, the replicas being equal. A rank that dies stops the run in one line that
+    says how to resume (from the last checkpoint, `checkpoint_every_steps`)."""
+
+    def __init__(self, cfg: RunConfig, model: Any, tokenizer: object, ranks: list[Any]) -> None:
+        import ray
+
+        from inflight.orchestrator.setup import pad_id, run_trainer_config
+        from inflight.trainer.distributed import DataParallelTrainer, init_data_parallel
+
+        self._ray, self._ranks, self._run_dir = ray, ranks, cfg.run_dir
+        host, port = _free_port()
+        init_method, world_size = f"tcp://{host}:{port}", len(ranks) + 1
+        weights = ray.put({name: t.detach().cpu() for name, t in model.state_dict().items()})
+        # The other ranks join first (asynchronously): joining the group waits for every rank.
+        started = [
+            rank.start.remote(cfg, weights, k, world_size, init_method) for k, rank in enumerate(ranks, 1)
+        ]
+        config = run_trainer_config(cfg.trainer, cfg.grpo.steps)
+        group = init_data_parallel(
+            0, world_size, init_method, config.device, cfg.ray.trainer_collective_timeout_s
+        )
+        self._local = DataParallelTrainer(model, config, group, pad_id(tokenizer))
+        self._get(started)
+        self.config = config
+        self.version = self._local.version
+
+    def train_step(self, samples: Any) -> dict[str, float]:
+        others = [rank.train_step.remote(list(samples)) for rank in self._ranks]
+        try:
+            metrics = self._local.train_step(samples)
+        except RuntimeError:  # a collective broke: the cause is another rank's (its error, or its death)
+            self._get(others, timeout_s=COLLECTIVE_FAILURE_WAIT_S)
+            raise
+        self._get(others)
+        self.version = self._local.version
+        return metrics
+
+    def weights(self) -> dict[str, Any]:
+        return self._local.weights()
+
+    def base_weights(self) -> dict[str, Any]:
+        return self._local.base_weights()
+
+    def adapter_update(self) -> Any:
+        return self._local.adapter_update()
+
+    def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
+        return self._local.save_checkpoint(path, extra)  # rank 0 writes; the others hold the same state
+
+    def resume_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        # Every rank reads it (the run directory is on storage every node can read, as the model is).
+        others = [rank.resume_checkpoint.remote(str(path)) for rank in self._ranks]
+        meta = self._local.resume_checkpoint(path)
+        self._get(others)
+        self.version = self._local.version
+        return meta
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _get(self, refs: list[Any], timeout_s: float | None = None) -> list[Any]:
+        exceptions = self._ray.exceptions
+        try:
+            return list(self._ray.get(refs, timeout=timeout_s))
+        except exceptions.GetTimeoutError:
+            return []
+        except exceptions.RayTaskError as e:
+            raise RuntimeError(f"a data-parallel trainer rank failed: {e}") from None
+        except exceptions.RayActorError as e:
+            raise UserError(
+                f"a data-parallel trainer rank died ({describe(e)}); the run stopped. Run the same command "
+                f"with run_dir={self._run_dir} to resume from its last checkpoint (checkpoint_every_steps)"
+            ) from None
 
 
 class ReplicaWatch:

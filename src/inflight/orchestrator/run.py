@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inflight.config import RunConfig
 from inflight.envs.base import Environment
@@ -36,7 +36,10 @@ from inflight.orchestrator.task_warmup import task_warmup
 from inflight.orchestrator.warmup import format_warmup
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer.checkpoint import checkpoint_step
-from inflight.trainer.process import TrainerProcess
+from inflight.trainer.process import StepTrainer, TrainerProcess
+
+if TYPE_CHECKING:
+    import torch
 
 
 def train(
@@ -56,13 +59,17 @@ def train(
 
 
 def run(
-    cfg: RunConfig, task: Task, launcher_metrics: Callable[[], dict[str, float]] | None = None
+    cfg: RunConfig,
+    task: Task,
+    launcher_metrics: Callable[[], dict[str, float]] | None = None,
+    make_trainer: Callable[[RunConfig, torch.nn.Module, object], StepTrainer] | None = None,
 ) -> dict[str, Any]:
     """Train `task` as `cfg` says; returns the summary (also in RUN_DIR/summary.json).
 
     This is the whole run in this process; `launch/ray.py` calls it inside the trainer's actor, with
-    `pipeline.engine_urls` naming the replicas it placed and `launcher_metrics` counting their restarts
-    (logged with every pipeline step)."""
+    `pipeline.engine_urls` naming the replicas it placed, `launcher_metrics` counting their restarts
+    (logged with every pipeline step) and `make_trainer` building the trainer over the warmed-up model
+    (there: data-parallel ranks in actors of their own; by default `build_loop_trainer`)."""
     t0 = time.perf_counter()
     train_problems = load_split(task, "train")
     test_problems = load_split(task, "test") if cfg.eval.num_episodes else []
@@ -88,7 +95,8 @@ def run(
                 task_warmup(model, pad_id(tokenizer), task, train_problems, chat, cfg, logger)
             # The engine first: it copies the weights, and a LoRA trainer then wraps the model's layers.
             engine = build_engine(cfg, model, tokenizer)
-            trainer = build_loop_trainer(cfg, model, tokenizer)  # the pipeline's may be a process of its own
+            # The pipeline's may be a process of its own; a launcher's, ranks elsewhere.
+            trainer = (make_trainer or build_loop_trainer)(cfg, model, tokenizer)
             if isinstance(trainer, TrainerProcess):
                 stack.callback(trainer.close)
             parts = LoopParts(policy_engine(engine, trainer), trainer, chat, task, train_problems)
