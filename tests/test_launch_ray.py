@@ -215,8 +215,9 @@ def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops
     ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """ray.num_trainer_ranks=2: the run's actor is rank 0, a TrainerRank actor rank 1; every step is split
-    across the two (gloo) and both end with the same weights. Then the same run with rank 1 killed after
-    a checkpoint: one line that names the lost rank and how to resume."""
+    across the two (gloo), and every checkpoint is written once both showed the same weights (a check that
+    raises otherwise, `DataParallelTrainer.assert_replicas_in_sync`). Then the same run with rank 1 killed
+    after a checkpoint: one line that names the lost rank and how to resume."""
     small = ["ray.num_trainer_ranks=2", "ray.engine_cpus=0.5", "ray.trainer_cpus=0.5", "launcher=ray"]
     run_dir = tmp_path / "ranks"
     summary = run_cli(

@@ -300,6 +300,9 @@ class TrainerRank:
         self.trainer.resume_checkpoint(path)
         return self.trainer.version
 
+    def assert_in_sync(self) -> None:
+        self.trainer.assert_replicas_in_sync()
+
 
 class RankedTrainer:
     """Rank 0 of `ray.num_trainer_ranks` data-parallel ranks, in the run's actor: the trainer the run's loop
@@ -352,7 +355,16 @@ class RankedTrainer:
         return self._local.adapter_update()
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
-        return self._local.save_checkpoint(path, extra)  # rank 0 writes; the others hold the same state
+        """Rank 0 writes, once every rank showed it holds the same weights (a fingerprint all-reduce): the
+        checkpoint then stands for every replica."""
+        others = [rank.assert_in_sync.remote() for rank in self._ranks]
+        try:
+            self._local.assert_replicas_in_sync()
+        except RuntimeError:
+            self._get(others, timeout_s=COLLECTIVE_FAILURE_WAIT_S)
+            raise
+        self._get(others)
+        return self._local.save_checkpoint(path, extra)
 
     def resume_checkpoint(self, path: str | Path) -> dict[str, Any]:
         # Every rank reads it (the run directory is on storage every node can read, as the model is).
