@@ -11,6 +11,10 @@
     never overlap (the sync loop itself would play the environments' latencies one after another,
     which would flatter the async side).
 
+(c) Only with `--only ray` (needs `inflight[ray]`): BlackJack through `launcher=ray` (a private local Ray:
+    one engine replica actor serving HTTP, and the run's actor) against the local launcher, the same
+    configuration without evaluation; `ratio_ray_vs_local` (issue 13's goal: >= 0.7).
+
 Both sides of a pair start from the same weights and run the same number of steps; completions/s
 counts the trained rollouts over the wall time, and "reward after equal wall time" is each side's
 mean training reward over its last 5 steps finished before the faster side's end. A trainer process's
@@ -203,6 +207,43 @@ def latency_task(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {"ratio": ratio, **results}
 
 
+def ray_pair(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """BlackJack through `launcher=ray` (a private local Ray: one engine replica actor and the run's actor)
+    against the local launcher, the same configuration: completions/s over the steps after the second (the
+    first two carry the replicas' first weight installs), from each run's own step times."""
+    from inflight.launch.ray import run_on_ray
+    from inflight.orchestrator.run import run
+
+    task = resolve_target("blackjack")
+    cfg = task.config()
+    cfg.progress = False
+    cfg.warmup.sft_steps = args.warmup_steps
+    cfg.grpo.steps = args.steps
+    cfg.eval.num_episodes = 0
+    results: dict[str, Any] = {}
+    for side in ("local", "ray"):
+        side_cfg = cfg.model_copy(deep=True)
+        side_cfg.run_dir = str(tmp / f"ray-pair-{side}")
+        if side == "ray":
+            side_cfg.launcher = "ray"
+            run_on_ray(side_cfg, "blackjack")
+        else:
+            run(side_cfg, task)
+        rows = [json.loads(line) for line in (tmp / f"ray-pair-{side}" / "metrics.jsonl").open()]
+        steps = [r for r in rows if r.get("phase") == "train"][2:]
+        wall_s = sum(r["step_s"] for r in steps)
+        results[side] = {
+            "completions_per_s": round(
+                len(steps) * cfg.grpo.prompts_per_step * cfg.grpo.group_size / wall_s, 2
+            ),
+            "step_s_median": round(statistics.median(r["step_s"] for r in steps), 4),
+            "trainer_wait_s_median": round(statistics.median(r["trainer_wait_s"] for r in steps), 4),
+            "weight_publish_s_median": round(statistics.median(r["weight_publish_s"] for r in steps), 4),
+        }
+    ratio = round(results["ray"]["completions_per_s"] / results["local"]["completions_per_s"], 3)
+    return {"ratio": ratio, **results}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflight bench pipeline", description=__doc__)
     parser.add_argument("--steps", type=int, default=30, help="training steps per side")
@@ -210,7 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--warmup-steps", type=int, default=100, help="BlackJack warm-up (shared by both sides)"
     )
     parser.add_argument("--max-staleness", type=int, default=2, help="the async side's max_staleness_steps")
-    parser.add_argument("--only", choices=["blackjack", "latency"], help="run one of the two pairs")
+    parser.add_argument(
+        "--only",
+        choices=["blackjack", "latency", "ray"],
+        help="run one pair: blackjack or latency (both by default), or ray (launcher=ray against the local "
+        "launcher on BlackJack; needs inflight[ray]; only when asked for)",
+    )
     args = parser.parse_args(argv)
     result: dict[str, Any] = {
         "benchmark": "pipeline",
@@ -226,5 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
             bj = blackjack(args, Path(tmp))
             result["ratio_blackjack"] = bj.pop("ratio")
             result["blackjack"] = bj
+        if args.only == "ray":
+            pair = ray_pair(args, Path(tmp))
+            result["ratio_ray_vs_local"] = pair.pop("ratio")
+            result["ray"] = pair
     print(json.dumps(result))
     return result
