@@ -133,6 +133,14 @@ def test_serve_engine_port_in_use(capsys, tiny_model_dir: Path, busy_port: int, 
     assert f"port {busy_port} on 127.0.0.1 is in use" in line
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_serve_engine_on_a_device_that_is_not_there(capsys, tiny_model_dir: Path, no_weights) -> None:
+    line = one_line_error(capsys, "serve-engine", "--model", str(tiny_model_dir), "--device", "cuda")
+    assert "--device='cuda' but this machine has no CUDA device" in line
+    line = one_line_error(capsys, "serve-engine", "--model", str(tiny_model_dir), "--device", "gpu")
+    assert "--device='gpu' is not a device name: use auto, cpu, cuda or cuda:N" in line
+
+
 # -- inflight run -----------------------------------------------------------------------------------------
 
 

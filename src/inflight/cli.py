@@ -125,6 +125,7 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
         backend=args.backend,
         kv_policy=args.kv_policy,
         max_seq_len_tokens=args.max_seq_len_tokens,
+        device=args.device,
     )
     return 0
 
@@ -243,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve_engine.add_argument("--host", default="127.0.0.1")
     serve_engine.add_argument("--port", type=int, default=8100)
     serve_engine.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
+    serve_engine.add_argument(
+        "--device",
+        default="cpu",
+        help="the built-in engine's device: cpu, cuda, cuda:N, or auto (cuda when there is one)",
+    )
     serve_engine.add_argument(
         "--kv-policy",
         choices=["keep", "recompute"],

@@ -40,16 +40,23 @@ def load_backend(
     max_seq_len_tokens: int | None,
     dtype: str,
     kv_policy: str,
+    device: str = "cpu",
 ) -> tuple[ServedEngine, tuple[int, ...]]:
     """The engine of `backend` over `model` (a directory or hub id) and the ids generation stops at (the
-    model's generation config's EOS ids); `kv_policy` is the built-in engine's only."""
+    model's generation config's EOS ids); `kv_policy` and `device` are the built-in engine's only (vLLM
+    places itself)."""
     if backend == "vllm":
         return _vllm_engine(model, max_batch_size, max_seq_len_tokens, dtype)
-    return _builtin_engine(model, max_batch_size, max_seq_len_tokens, dtype, kv_policy)
+    return _builtin_engine(model, max_batch_size, max_seq_len_tokens, dtype, kv_policy, device)
 
 
 def _builtin_engine(
-    model: str, max_batch_size: int, max_seq_len_tokens: int | None, dtype: str, kv_policy: str
+    model: str,
+    max_batch_size: int,
+    max_seq_len_tokens: int | None,
+    dtype: str,
+    kv_policy: str,
+    device: str,
 ) -> tuple[ServedEngine, tuple[int, ...]]:
     from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
     from inflight.models import load_model, load_tokenizer
@@ -63,6 +70,7 @@ def _builtin_engine(
             max_seq_len_tokens=max_seq_len_tokens,
             dtype=dtype,
             kv_policy=kv_policy,
+            device=device,
         )
     )
     engine = BuiltinEngine(hf_model, load_tokenizer(model), config)

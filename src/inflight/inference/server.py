@@ -576,16 +576,24 @@ def serve(
     max_seq_len_tokens: int | None = None,
     dtype: str = "float32",
     log_level: str = "info",
+    device: str = "cpu",
 ) -> None:
     """Load `model` (a directory or hub id) into an engine of `backend` and serve it until interrupted.
     "vllm" needs the environment `launch/vllm_env.py` builds (vLLM's CPU build pins its own torch and
-    transformers) and a model directory in safetensors; `kv_policy` is the built-in engine's only."""
+    transformers) and a model directory in safetensors; `kv_policy` and `device` (cpu, cuda, cuda:N or
+    auto) are the built-in engine's only."""
     from inflight.preflight import bind_port, check_model_dir, serve_on
 
     check_model_dir(model)
+    if backend == "builtin":
+        from inflight.models.device import resolve_device
+
+        resolve_device(device, "--device")  # a device this machine lacks fails before the weights load
     # The port is taken before the weights load: a port in use fails at once, and stays ours meanwhile.
     with contextlib.closing(bind_port(host, port)) as sock:
-        engine, stop_ids = load_backend(backend, model, max_batch_size, max_seq_len_tokens, dtype, kv_policy)
+        engine, stop_ids = load_backend(
+            backend, model, max_batch_size, max_seq_len_tokens, dtype, kv_policy, device
+        )
         from inflight.models import load_tokenizer
 
         app = create_app(engine, load_tokenizer(model), EngineServerConfig(model_name=model), stop_ids)
