@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -49,7 +50,7 @@ from inflight.models import load_model, load_tokenizer
 from inflight.models.chat_template import generation_stop_ids
 from inflight.models.lora_adapter import peft_key
 from inflight.orchestrator.remote_engine import RemoteEngines
-from inflight.types import AdapterUpdate, SampleRequest, SamplingParams, WeightUpdate
+from inflight.types import AdapterUpdate, Completion, SampleRequest, SamplingParams, WeightUpdate
 
 STARTUP_TIMEOUT_S = 240.0  # importing torch + transformers on two shared, busy cores
 
@@ -283,6 +284,53 @@ def test_generate_equals_the_in_process_engine(replicas, tiny_model_dir) -> None
         assert (s.token_ids, s.finish_reason, s.text) == (ref.token_ids, ref.finish_reason, ref.text)
         assert max_diff(s.logprobs, ref.logprobs) < 1e-5
         assert s.versions == ref.versions == [0] * len(ref.token_ids)
+
+
+def test_generate_calls_made_together_travel_as_one_batch_request(replicas, tiny_model_dir) -> None:
+    """EngineClient sends the calls of one event-loop turn as one /generate_batch (completions in order,
+    equal to the in-process engine's); a call alone goes by /generate."""
+    batch = [(p, SamplingParams(max_tokens=6, seed=10 + i)) for i, p in enumerate(prompts(6, seed=3))]
+    paths: list[str] = []
+
+    async def remote() -> tuple[list[Completion], Completion]:
+        async with EngineClient(replicas["a"].url) as client:
+            send = client._send
+
+            async def spy(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+                paths.append(path)
+                return await send(method, path, *args, **kwargs)
+
+            client._send = spy  # type: ignore[method-assign]
+            together = await asyncio.gather(*(client.generate(SampleRequest(p, sp)) for p, sp in batch))
+            alone = await client.generate(SampleRequest(*batch[0]))
+            return list(together), alone
+
+    together, alone = asyncio.run(remote())
+    assert paths == ["/generate_batch", "/generate"]
+    local = make_engine(tiny_model_dir).generate([SampleRequest(p, sp) for p, sp in batch])
+    for got, want in zip(together, local, strict=True):
+        assert got.token_ids == want.token_ids and max_diff(got.logprobs, want.logprobs) < 1e-5
+    assert alone.token_ids == together[0].token_ids  # seeded: the same draw alone or in a batch
+
+
+def test_generate_batch_checks_every_request_and_its_size(replicas) -> None:
+    url = replicas["a"].url
+    ok = {"prompt_token_ids": [5, 6, 7], "max_tokens": 2}
+    cases = {  # the body -> the field the one-line message names
+        "requests": {"requests": []},
+        "requests.1.max_tokens": {"requests": [ok, {**ok, "max_tokens": 0}]},
+        "requests:": {"requests": [ok] * 4097},  # too many
+        "extra": {"requests": [ok], "extra": 1},
+    }
+    for field, body in cases.items():
+        reply = httpx.post(f"{url}/generate_batch", json=body, timeout=60)
+        assert reply.status_code == 400 and f"invalid request: {field}" in reply.text, (field, reply.text)
+    unknown = httpx.post(
+        f"{url}/generate_batch", json={"requests": [ok, {**ok, "adapter": "nope"}]}, timeout=60
+    )
+    assert unknown.status_code == 404 and "nope" in unknown.text
+    reply = httpx.post(f"{url}/generate_batch", json={"requests": [ok, ok]}, timeout=60)
+    assert reply.status_code == 200 and [len(c["token_ids"]) for c in reply.json()["completions"]] == [2, 2]
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(replicas, tmp_path: Path) -> None:

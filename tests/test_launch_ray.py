@@ -108,9 +108,10 @@ def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
     ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "run"
-    # Steps of ~0.3 s: the run lasts ~30 s after the kill, of which Ray's restart of the replica took 12-17 s
-    # here (load 4-8 on 2 cores), and the client sees it back within its health_interval_s (2 s).
-    steps = 100
+    # Steps of ~0.1-0.15 s (replicas' requests batched): the run lasts ~30-45 s after the kill, of which
+    # Ray's restart of the replica took 11-17 s here (load 4-8 on 2 cores), and the client sees it back
+    # within its health_interval_s (2 s). 100 steps ended before the recovery once requests were batched.
+    steps = 300
     killed: dict[str, float] = {}
     run_over = threading.Event()
 
@@ -193,7 +194,7 @@ def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
     capsys.readouterr()
     # No warm-up: whether its steps train or are skipped (no signal), each is logged and checkpointed.
     argv = [
-        *tiny_run(tiny_model_dir, 30, warmup_steps=0),
+        *tiny_run(tiny_model_dir, 100, warmup_steps=0),
         "checkpoint_every_steps=2",
         "launcher=ray",
         "--run-dir",
@@ -245,7 +246,7 @@ def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops
     killer = threading.Thread(target=kill_rank_1_after_a_checkpoint, daemon=True)
     killer.start()
     capsys.readouterr()
-    argv = [*tiny_run(tiny_model_dir, 40), *small, "checkpoint_every_steps=2", "--run-dir", str(lost_dir)]
+    argv = [*tiny_run(tiny_model_dir, 100), *small, "checkpoint_every_steps=2", "--run-dir", str(lost_dir)]
     code = main(["run", "blackjack", *argv])
     killer.join(10)
     err = capsys.readouterr().err

@@ -57,6 +57,8 @@ from inflight.inference.openai_api import (
 from inflight.inference.wire import (
     VERSION_HEADER,
     AdaptersResponse,
+    GenerateBatchRequest,
+    GenerateBatchResponse,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
@@ -508,6 +510,16 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
         sample = body.sample_request(body.request_id or new_id())
         [completion] = await service.run(request, [sample])
         return GenerateResponse.from_completion(completion)
+
+    @app.post("/generate_batch")
+    async def generate_batch(body: GenerateBatchRequest, request: Request) -> GenerateBatchResponse:
+        """Several /generate requests at once (each one's fields, validated as there); the completions in
+        their order. One adapter unknown here fails the batch, as it would fail that request."""
+        for item in body.requests:
+            service.check_adapter(item.adapter)
+        samples = [item.sample_request(item.request_id or new_id()) for item in body.requests]
+        done = await service.run(request, samples)
+        return GenerateBatchResponse(completions=[GenerateResponse.from_completion(c) for c in done])
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsRequest) -> UpdateWeightsResponse:

@@ -142,6 +142,22 @@ class GenerateResponse(BaseModel):
         )
 
 
+MAX_BATCH_REQUESTS = 4096  # /generate_batch: more is a client's mistake (or an attack), not a batch
+
+
+class GenerateBatchRequest(BaseModel):
+    """Several /generate requests in one body: what `EngineClient` sends for the requests its callers issued
+    together, so that the server parses them at once and the engine starts them in one step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests: list[GenerateRequest] = Field(min_length=1, max_length=MAX_BATCH_REQUESTS)
+
+
+class GenerateBatchResponse(BaseModel):
+    completions: list[GenerateResponse]  # in the order of the requests
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok", "error"]
     model: str
