@@ -73,6 +73,24 @@ def metrics_rows(run_dir: Path, phase: str) -> list[dict[str, Any]]:
     return [r for r in rows if r["phase"] == phase]
 
 
+def kill_after_a_checkpoint(ray: Any, run_dir: Path, actor: str) -> threading.Thread:
+    """A thread that `ray.kill`s the run's actor named RUN_NAME:`actor` once step 3 is logged (so that step
+    2's checkpoint, `checkpoint_every_steps=2`, is on disk)."""
+
+    def kill() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, json.JSONDecodeError):
+                if len(metrics_rows(run_dir, "train")) >= 3:
+                    break
+            time.sleep(0.1)
+        ray.kill(ray.get_actor(f"{run_dir.name}:{actor}"))
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer
+
+
 def wait_until_released(ray: Any) -> None:
     """The run's actors and placement group are gone (Ray frees them asynchronously)."""
     deadline = time.monotonic() + 30
@@ -179,18 +197,7 @@ def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
     where the checkpoint is, and releases the replicas. Resuming from a checkpoint is the pipeline's own
     (tests/test_pipeline_resume.py)."""
     run_dir = tmp_path / "run"
-
-    def kill_the_run_after_a_checkpoint() -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, json.JSONDecodeError):
-                if len(metrics_rows(run_dir, "train")) >= 3:  # step 2's checkpoint is written before step 3
-                    break
-            time.sleep(0.1)
-        ray_cluster.kill(ray_cluster.get_actor(f"{run_dir.name}:run"))
-
-    killer = threading.Thread(target=kill_the_run_after_a_checkpoint, daemon=True)
-    killer.start()
+    killer = kill_after_a_checkpoint(ray_cluster, run_dir, "run")
     capsys.readouterr()
     # No warm-up: whether its steps train or are skipped (no signal), each is logged and checkpointed.
     argv = [
@@ -233,18 +240,7 @@ def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops
     wait_until_released(ray_cluster)
 
     lost_dir = tmp_path / "lost"
-
-    def kill_rank_1_after_a_checkpoint() -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, json.JSONDecodeError):
-                if len(metrics_rows(lost_dir, "train")) >= 3:  # step 2's checkpoint is written before step 3
-                    break
-            time.sleep(0.1)
-        ray_cluster.kill(ray_cluster.get_actor(f"{lost_dir.name}:rank-1"))
-
-    killer = threading.Thread(target=kill_rank_1_after_a_checkpoint, daemon=True)
-    killer.start()
+    killer = kill_after_a_checkpoint(ray_cluster, lost_dir, "rank-1")
     capsys.readouterr()
     argv = [*tiny_run(tiny_model_dir, 100), *small, "checkpoint_every_steps=2", "--run-dir", str(lost_dir)]
     code = main(["run", "blackjack", *argv])
