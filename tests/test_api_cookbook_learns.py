@@ -1,0 +1,199 @@
+"""tinker-cookbook 0.6.1's `sl_loop` and `rl_loop`, unmodified, learn against a live `inflight serve` on the
+tiny model: sl_loop's train loss falls, and rl_loop's reward, from the recipe's own math grader, rises.
+
+Reference: /work/shared/reference/tinker-api.md §14; the runs behind each margin are in docs/benchmarks.md,
+"tinker-cookbook recipes against `inflight serve`: learning curves (issue 15 item 6)". As in
+test_api_cookbook.py, the local tokenizer is registered under a cookbook model name and
+`datasets.load_dataset` serves tables made here; nothing of either recipe is patched.
+
+The RL task is gsm8k-shaped: the question is a keyword said 16 times ("one one ... one." with answer
+"#### 1", or "two two ... two." with "#### 2"); said once, the tiny model did not learn it in 100
+supervised steps. A random tiny model never writes `\\boxed`, so sl_loop first teaches the format on
+conversations in rl_loop's prompt whose answer is right half the time, and rl_loop (its default loss,
+stable_reinforce) resumes from that state through its own resume path, the `checkpoints.jsonl` in its
+log_path. The reply format is `\\boxed 1`, which the recipe's grader accepts, and max_tokens=4 ends the
+reply at the answer, so nothing after it is trained or graded (after `\\boxed{1}`, the text drifted under
+RL, to `boxed{` and the like). Batches of 8 prompts: with 4, about one run in six settled on one answer for
+both keywords, which no group's centred reward can move it from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import datasets
+import pytest
+
+from conftest import sdk_server
+from inflight.api.app import BackgroundServer
+from inflight.api.service import ServiceConfig, ServiceState
+
+pytestmark = pytest.mark.slow
+
+BASE = "meta-llama/Llama-3.2-1B"  # in the cookbook's registry: its role_colon renderer takes any tokenizer
+SL_DATA, RL_DATA = "HuggingFaceH4/no_robots", "openai/gsm8k"  # the recipes' hard-coded datasets
+# rl_loop's prompt, copied from tinker_cookbook/recipes/rl_loop.py (the warm-up must match it)
+QUESTION_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
+RL_PREFIX = [
+    {"role": "user", "content": "How many r's are in strawberry?" + QUESTION_SUFFIX},
+    {
+        "role": "assistant",
+        "content": "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a 5) w 6) b "
+        "7) e 8) r 9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}",
+    },
+]
+KEYWORDS = {1: "one", 2: "two"}
+KEYWORD_REPEATS = 16
+
+
+def facts(n: int) -> list[dict[str, Any]]:
+    """Question-answer conversations from a few templates: learnable, and every row is a new one."""
+    things = ["a kite", "the sea", "bread", "a robot", "the moon", "tea", "a river", "snow"]
+    colours = ["red", "blue", "green", "white"]
+    rows = []
+    for i in range(n):
+        thing, colour = things[i % len(things)], colours[(i // len(things)) % len(colours)]
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"What colour is {thing} in picture {i}?"},
+                    {"role": "assistant", "content": f"In picture {i}, {thing} is {colour}."},
+                ]
+            }
+        )
+    return rows
+
+
+def question(answer: int) -> str:
+    return " ".join([KEYWORDS[answer]] * KEYWORD_REPEATS) + "."
+
+
+def keyword_problems(n: int) -> list[dict[str, str]]:
+    """gsm8k rows, keywords alternating so that every batch of an even size holds as many of each."""
+    return [{"question": question(1 + i % 2), "answer": f"#### {1 + i % 2}"} for i in range(n)]
+
+
+def format_warmup(n: int) -> list[dict[str, Any]]:
+    """rl_loop's prompt answered `\\boxed k`, with k independent of the keyword: right half the time."""
+    rows = []
+    for i in range(n):
+        keyword, reply = 1 + i % 2, 1 + (i // 2) % 2
+        turn = {"role": "user", "content": question(keyword) + QUESTION_SUFFIX}
+        rows.append({"messages": [*RL_PREFIX, turn, {"role": "assistant", "content": f"\\boxed {reply}"}]})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def hub() -> dict[str, datasets.DatasetDict]:
+    """What the patched `datasets.load_dataset` serves: each test puts its tables here."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, hub: dict[str, datasets.DatasetDict]
+) -> Iterator[BackgroundServer]:
+    from tinker_cookbook import tokenizer_utils
+    from transformers import AutoTokenizer
+
+    def load_dataset(name: str, *args: object, **kwargs: object) -> datasets.DatasetDict:
+        return hub[name]
+
+    config = ServiceConfig(
+        base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path_factory.mktemp("serve")
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        mp.setattr(datasets, "load_dataset", load_dataset)
+        tokenizer_utils.register_tokenizer(BASE, lambda: AutoTokenizer.from_pretrained(tiny_model_dir))
+        with sdk_server(config) as running:
+            yield running
+
+
+def table(rows: list[dict[str, Any]]) -> datasets.DatasetDict:
+    return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def failed_server(server: BackgroundServer) -> int:
+    state: ServiceState = server.app.state.service
+    return state.counters().get("failed_server", 0)
+
+
+def test_sl_loop_loss_falls(server: BackgroundServer, hub: dict[str, Any], tmp_path: Path) -> None:
+    from tinker_cookbook.recipes import sl_loop
+
+    steps, window = 24, 4
+    hub[SL_DATA] = table(facts(4 * steps))
+    sl_loop.main(
+        sl_loop.Config(
+            base_url=server.url,
+            log_path=str(tmp_path),
+            model_name=BASE,
+            batch_size=4,
+            learning_rate=5e-3,
+            lora_rank=32,
+            save_every=0,
+        )
+    )
+    # Each step's train_mean_nll is taken on a batch the model has not seen, before its update.
+    nll = [m["train_mean_nll"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert len(nll) == steps
+    assert mean(nll[-window:]) < 0.5 * mean(nll[:window]), nll
+    assert failed_server(server) == 0
+
+
+def test_rl_loop_reward_rises(server: BackgroundServer, hub: dict[str, Any], tmp_path: Path) -> None:
+    from tinker_cookbook import renderers
+    from tinker_cookbook.recipes import rl_loop, sl_loop
+
+    warmup_steps, warmup_batch = 60, 8
+    hub[SL_DATA] = table(format_warmup(warmup_steps * warmup_batch))
+    sl_loop.main(
+        sl_loop.Config(
+            base_url=server.url,
+            log_path=str(tmp_path / "warmup"),
+            model_name=BASE,
+            batch_size=warmup_batch,
+            learning_rate=5e-3,
+            lora_rank=32,
+            save_every=0,
+            train_on_what=renderers.TrainOnWhat.LAST_ASSISTANT_MESSAGE,
+        )
+    )
+    warm = read_jsonl(tmp_path / "warmup" / "checkpoints.jsonl")[-1]
+    # rl_loop resumes from the last record with a state_path in its log_path, at the record's batch.
+    (tmp_path / "rl").mkdir()
+    start = {"name": "warmup", "batch": 0, "state_path": warm["state_path"]}
+    (tmp_path / "rl" / "checkpoints.jsonl").write_text(json.dumps(start) + "\n")
+
+    steps, batch, window = 40, 8, 8
+    hub[RL_DATA] = table(keyword_problems(steps * batch))
+    rl_loop.main(
+        rl_loop.Config(
+            base_url=server.url,
+            log_path=str(tmp_path / "rl"),
+            model_name=BASE,
+            batch_size=batch,
+            group_size=8,
+            learning_rate=1e-3,
+            max_tokens=4,
+            lora_rank=32,
+            max_steps=steps,
+            save_every=0,  # loss_fn: the recipe's default, stable_reinforce
+        )
+    )
+    rewards = [m["reward/total"] for m in read_jsonl(tmp_path / "rl" / "metrics.jsonl")]
+    assert len(rewards) == steps
+    # Answering one digit whatever the keyword earns 0.5 on these balanced batches: above it, the policy
+    # reads the keyword.
+    assert mean(rewards[-window:]) > max(0.6, mean(rewards[:window]) + 0.15), rewards
+    assert failed_server(server) == 0
