@@ -411,6 +411,30 @@ def test_requests_of_a_client_that_left_or_timed_out_are_aborted(tiny_model_dir,
         assert http.get("/health").json()["status"] == "ok" and engine.metrics().num_running == 0
 
 
+def test_a_batch_whose_callers_all_stopped_waiting_is_aborted_on_the_server(
+    tiny_model_dir, tokenizer
+) -> None:
+    """EngineClient sends two calls made together as one /generate_batch; cancelling both drops the HTTP
+    request, and the server aborts both generations instead of decoding them to the end."""
+    engine = make_engine(tiny_model_dir)
+    long = SamplingParams(max_tokens=1020)  # seconds of decoding for this engine
+
+    async def give_up(url: str) -> None:
+        async with EngineClient(url) as client:
+            calls = asyncio.gather(
+                client.generate(SampleRequest([1, 2, 3], long)), client.generate(SampleRequest([4, 5], long))
+            )
+            await wait_until(lambda: engine.metrics().num_running == 2, 30, "both generating")
+            calls.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await calls
+            await wait_until(lambda: engine.metrics().num_running == 0, 30, "the abandoned batch aborted")
+
+    with in_process(engine, tokenizer, disconnect_poll_s=0.02) as server:
+        asyncio.run(give_up(server.url))
+    assert engine.metrics().tokens_generated < 2 * 1020  # stopped early, not decoded to the end
+
+
 def test_a_failed_engine_step_fails_requests_and_health_with_the_reason(tiny_model_dir, tokenizer) -> None:
     engine = make_engine(tiny_model_dir)
 

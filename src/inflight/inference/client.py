@@ -80,8 +80,9 @@ class EngineClient:
     woke up) travel as one /generate_batch request: the server parses them at once and the engine starts
     them in one step. Sent one by one, 128 concurrent BlackJack turns took ~6x as long on the tiny model
     (docs/benchmarks.md, `launcher=ray`): the engine stepped on the few that had arrived while the rest were
-    still being parsed. A caller that stops waiting (a timeout, a cancellation) leaves its request to finish
-    on the server when it shares a batch; alone, it goes by /generate, whose abort on disconnect applies."""
+    still being parsed. When every caller of a batch stops waiting (a timeout, a cancellation), its HTTP
+    request is dropped and the server aborts the generations; one caller among others still waiting leaves
+    its request to finish there."""
 
     def __init__(self, url: str, config: ClientConfig | None = None) -> None:
         self.url = url.rstrip("/")
@@ -119,9 +120,13 @@ class EngineClient:
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 
-        def on_caller_done(_: asyncio.Future[Completion]) -> None:
+        waiting = [len(batch)]
+
+        def on_caller_done(future: asyncio.Future[Completion]) -> None:
+            if future.cancelled():
+                waiting[0] -= 1
             # Every caller stopped waiting: drop the HTTP request, and the server aborts its generations.
-            if all(future.cancelled() for _, future in batch) and not task.done():
+            if not waiting[0] and not task.done():
                 task.cancel()
 
         for _, future in batch:
