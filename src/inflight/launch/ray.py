@@ -13,15 +13,16 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from inflight.config import RayConfig, RunConfig
 from inflight.errors import UserError, describe
 
+T = TypeVar("T")
 RAY_MISSING = "launcher=ray needs Ray: pip install 'inflight[ray]'"
 COLLECTIVE_FAILURE_WAIT_S = 30.0  # after a collective broke here, how long the other ranks get to say why
 WATCH_INTERVAL_S = 1.0  # how often the trainer's actor asks each replica which process serves it
@@ -336,14 +337,7 @@ class RankedTrainer:
 
     def train_step(self, samples: Any) -> dict[str, float]:
         others = [rank.train_step.remote(list(samples)) for rank in self._ranks]
-        try:
-            metrics = self._local.train_step(samples)
-        except RuntimeError:  # a collective broke: the cause is another rank's (its error, or its death)
-            self._get(others, timeout_s=COLLECTIVE_FAILURE_WAIT_S)
-            raise
-        self._get(others)
-        self.version = self._local.version
-        return metrics
+        return self._with_others(others, lambda: self._local.train_step(samples))
 
     def weights(self) -> dict[str, Any]:
         return self._local.weights()
@@ -358,27 +352,31 @@ class RankedTrainer:
         """Rank 0 writes, once every rank showed it holds the same weights (a fingerprint all-reduce): the
         checkpoint then stands for every replica."""
         others = [rank.assert_in_sync.remote() for rank in self._ranks]
-        try:
-            self._local.assert_replicas_in_sync()
-        except RuntimeError:
-            self._get(others, timeout_s=COLLECTIVE_FAILURE_WAIT_S)
-            raise
-        self._get(others)
+        self._with_others(others, self._local.assert_replicas_in_sync)
         return self._local.save_checkpoint(path, extra)
 
     def resume_checkpoint(self, path: str | Path) -> dict[str, Any]:
         # Every rank reads it (the run directory is on storage every node can read, as the model is).
         others = [rank.resume_checkpoint.remote(str(path)) for rank in self._ranks]
-        meta = self._local.resume_checkpoint(path)
-        self._get(others)
-        self.version = self._local.version
-        return meta
+        return self._with_others(others, lambda: self._local.resume_checkpoint(path))
 
     def close(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _with_others(self, others: list[Any], local: Callable[[], T]) -> T:
+        """`local()` here while `others` (calls already sent) run on the other ranks; then wait for them. A
+        collective broken here is reported with the cause the other ranks give (their error, or death)."""
+        try:
+            result = local()
+        except RuntimeError:
+            self._get(others, timeout_s=COLLECTIVE_FAILURE_WAIT_S)
+            raise
+        self._get(others)
+        self.version = self._local.version
+        return result
 
     def _get(self, refs: list[Any], timeout_s: float | None = None) -> list[Any]:
         exceptions = self._ray.exceptions

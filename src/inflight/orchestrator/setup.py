@@ -105,7 +105,7 @@ def pinned_trainer_cpus(cfg: RunConfig, available: frozenset[int]) -> frozenset[
     Pinning pays where the two stages would otherwise share the CPUs: the engine's side runs more than one
     thread (the engine's torch ops release the GIL to the rollouts' event loop), and without pinning those
     threads also run on the trainer's core. On 2 cores, BlackJack's pipeline (`inflight bench pipeline`)
-    ran ~9% faster pinned (docs/benchmarks.md)."""
+    ran ~6% faster pinned, its trainer's step ~15% (docs/benchmarks.md)."""
     choice, threads = cfg.pipeline.pin_cpus, cfg.pipeline.torch_threads
     enough = len(available) >= 2 * threads
     if choice is True and not enough:
