@@ -14,9 +14,15 @@ How the contract maps onto vLLM (held by tests/test_engine_contract.py's "http-v
   those of rank <= k. Top-k logprobs of generated tokens: vLLM's `logprobs=k` (in its logprobs_mode, so the
   "sampled" kind, as the token's own). Target prompt ids and alternative draws at prompt positions have no
   vLLM counterpart and are refused (ValueError).
-- Adapters: `set_adapter` writes a PEFT directory and gives the name a new `LoRARequest` id; requests admitted
-  later use it. Unlike the built-in engine, a replacement does not reach requests already running (vLLM
-  binds a LoRA to a request at admission): their tokens keep the version they were admitted with.
+- Adapters: a name keeps one `LoRARequest` id (and one PEFT directory) from `set_adapter` to
+  `remove_adapter`. A replacement is staged in the caller's thread and installed between two steps by
+  moving its files into that directory and reloading the id in place (vLLM's `load_inplace`), so requests
+  already running on it continue on the new weights from that step, their tokens stamped with the new
+  version (the contract). A removed adapter stays loaded until its last running request finishes.
+- vLLM's CPU LoRA kernels index the stacked adapter weights with a row's slot, and a row without an adapter
+  has slot -1, i.e. the last slot: once that slot holds an adapter, base rows batched with adapter rows are
+  computed with it. On the CPU platform, base rows therefore run on an all-zero adapter of their own (one
+  extra slot) from the first `set_adapter` on; its contribution is exactly zero.
 - Full weights: written as safetensors and installed between two steps with `collective_rpc
   ("reload_weights")`; running requests keep their KV cache (the built-in engine's "keep" policy). Models
   with tied embeddings are refused, since vLLM's reload leaves them wrong.
@@ -44,6 +50,7 @@ from inflight.inference.adapters import ModuleShapes, parse_adapter
 from inflight.inference.builtin import EngineMetrics, UpdateRecord
 from inflight.types import AdapterUpdate, Completion, FinishReason, SampleRequest, WeightUpdate
 
+_ZERO_LORA = "inflight-base-rows"  # see VllmEngine's docstring
 # The linear layers vLLM's LoRA can adapt in the models inflight serves (Qwen2/Llama layouts).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -63,9 +70,16 @@ class VllmEngineConfig(BaseModel):
 
 
 @dataclass
+class _Adapter:
+    lora: Any  # vllm.lora.request.LoRARequest, one id for the name's lifetime
+    path: Path  # its PEFT directory; a replacement's files are moved in here
+    version: int  # as installed (a staged replacement counts once step() installed it)
+
+
+@dataclass
 class _Running:
     request: SampleRequest
-    adapter_version: int | None  # None: base weights, stamped per step with the engine's version
+    lora_id: int | None  # None: base weights, stamped per step with the engine's version
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -84,6 +98,7 @@ class _Counters:
     update_copy_s_total: float = 0.0
     prefill_failures: int = 0
     adapter_updates_received: int = 0
+    adapter_updates_applied: int = 0
 
 
 class VllmEngine:
@@ -115,12 +130,16 @@ class VllmEngine:
         self._lock = threading.Lock()  # guards everything below; never held while vLLM runs
         self._version = 0
         self._pending: tuple[int, Path, float] | None = None  # version, checkpoint dir, copy_s
-        self._waiting: deque[tuple[SampleRequest, Any, int | None]] = deque()
+        self._waiting: deque[tuple[SampleRequest, Any]] = deque()  # request, vLLM SamplingParams
         self._aborts: set[str] = set()
         self._running: dict[str, _Running] = {}
         self._in_flight: set[str] = set()
-        self._adapters: dict[str, tuple[Any, int]] = {}  # name -> (LoRARequest, version)
+        self._adapters: dict[str, _Adapter] = {}  # registered names
+        self._lora_versions: dict[int, int] = {}  # LoRA id -> installed version (removed ones too)
+        self._staged: dict[str, tuple[int, Path, int]] = {}  # name -> (LoRA id, staged dir, version)
+        self._retired: dict[int, Path] = {}  # removed ids -> directory, unloaded once no request runs on them
         self._next_lora_id = 1
+        self._zero_lora: Any = None  # the all-zero adapter of base rows (CPU platform, see the docstring)
         self._counters = _Counters()
         self._recent: deque[UpdateRecord] = deque(maxlen=16)
 
@@ -151,11 +170,17 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             max_logprobs=c.max_prompt_logprobs,
             enable_lora=c.max_loras > 0,
-            max_loras=max(c.max_loras, 1),
+            max_loras=max(c.max_loras, 1) + (1 if self._cpu_platform() else 0),  # + the zero adapter
             max_lora_rank=c.max_lora_rank,
             seed=0,
         )
         return LLMEngine.from_engine_args(args)
+
+    @staticmethod
+    def _cpu_platform() -> bool:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
 
     # -- the Engine protocol -------------------------------------------------------------------------
     @property
@@ -165,7 +190,10 @@ class VllmEngine:
 
     def adapters(self) -> dict[str, int]:
         with self._lock:
-            return {name: version for name, (_, version) in self._adapters.items()}
+            return {
+                name: self._staged[name][2] if name in self._staged else adapter.version
+                for name, adapter in self._adapters.items()
+            }
 
     def generate(self, requests: Sequence[SampleRequest]) -> list[Completion]:
         for request in requests:  # all checked before any runs
@@ -183,9 +211,9 @@ class VllmEngine:
         with self._lock:
             if request.request_id in self._in_flight:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
-            lora, version = self._lookup_adapter(request.adapter)
+            self._lookup_adapter(request.adapter)  # resolved again at admission: it may be removed
             self._in_flight.add(request.request_id)
-            self._waiting.append((request, (params, lora), version))
+            self._waiting.append((request, params))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -232,8 +260,9 @@ class VllmEngine:
             self._pending = (update.version, target, copy_s)
 
     def set_adapter(self, update: AdapterUpdate) -> None:
-        """Register or replace `update.name` (checked in the caller's thread). Requests admitted from now on
-        use it; requests already admitted keep the weights and version they were admitted with."""
+        """Register `update.name`, or stage a replacement that step() installs in place before its next
+        decode (requests running on the adapter continue on the new weights). Checked and written in the
+        caller's thread."""
         if self.config.max_loras == 0:
             raise ValueError("this vLLM engine was started with max_loras=0: LoRA adapters are off")
         if update.rank > self.config.max_lora_rank:
@@ -244,26 +273,51 @@ class VllmEngine:
         parse_adapter(update, self._lora_shapes)  # ValueError naming the module at fault
         from vllm.lora.request import LoRARequest
 
+        if self._cpu_platform():
+            self._ensure_zero_lora()
         with self._lock:
-            lora_id = self._next_lora_id
-            self._next_lora_id += 1
-        path = self._scratch / "adapters" / f"{update.name}-{lora_id}"
-        write_adapter_dir(path, update)
+            current = self._adapters.get(update.name)
+            lora_id = current.lora.lora_int_id if current is not None else self._new_lora_id()
+        if current is None:  # a new name: nothing reads its directory before it is registered
+            path = self._scratch / "adapters" / f"{update.name}-{lora_id}"
+            write_adapter_dir(path, update)
+            with self._lock:
+                self._counters.adapter_updates_received += 1
+                self._adapters[update.name] = _Adapter(
+                    LoRARequest(_lora_name(update.name, lora_id), lora_id, str(path)), path, update.version
+                )
+                self._lora_versions[lora_id] = update.version
+            return
+        staged = Path(tempfile.mkdtemp(prefix=f"adapter-{lora_id}-v{update.version}-", dir=self._scratch))
+        write_adapter_dir(staged / "adapter", update)
         with self._lock:
             self._counters.adapter_updates_received += 1
-            self._adapters[update.name] = (LoRARequest(update.name, lora_id, str(path)), update.version)
+            registered = self._adapters.get(update.name)
+            if registered is None or registered.lora.lora_int_id != lora_id:  # removed meanwhile
+                shutil.rmtree(staged, ignore_errors=True)
+                raise ValueError(f"adapter {update.name!r} was removed while its replacement was written")
+            previous = self._staged.pop(update.name, None)  # latest call wins
+            self._staged[update.name] = (lora_id, staged, update.version)
+        if previous is not None:
+            shutil.rmtree(previous[1], ignore_errors=True)
 
     def remove_adapter(self, name: str) -> None:
         with self._lock:
-            if self._adapters.pop(name, None) is None:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
                 raise ValueError(
                     f"remove_adapter: no adapter named {name!r} (registered: {sorted(self._adapters)})"
                 )
+            staged = self._staged.pop(name, None)
+            self._retired[adapter.lora.lora_int_id] = adapter.path
+        if staged is not None:
+            shutil.rmtree(staged[1], ignore_errors=True)
 
     def step(self) -> list[Completion]:
         """Install a pending update, admit and abort queued requests, then one vLLM step."""
         start = time.perf_counter()
         finished = self._install_pending()
+        self._install_adapters()
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
             aborts, self._aborts = self._aborts, set()
@@ -271,6 +325,7 @@ class VllmEngine:
         finished += self._abort(aborts)
         if self._engine.has_unfinished_requests():
             finished += self._collect(self._engine.step())
+        self._unload_retired()
         with self._lock:
             self._counters.busy_s += time.perf_counter() - start
         return finished
@@ -297,7 +352,7 @@ class VllmEngine:
                 tokens_recomputed=0,
                 prefill_failures=c.prefill_failures,
                 adapter_updates_received=c.adapter_updates_received,
-                adapter_updates_applied=0,  # replacements apply at admission, never to running requests
+                adapter_updates_applied=c.adapter_updates_applied,
                 adapters_registered=len(self._adapters),
                 recent_updates=tuple(self._recent),
             )
@@ -317,11 +372,14 @@ class VllmEngine:
                 "served only where the two agree (temperature 0 or 1, no top-k/top-p): ask for 'sampled', "
                 "or score the completion with prompt_logprobs"
             )
-        total = len(request.prompt_token_ids) + p.max_tokens
-        if total > self.config.max_seq_len_tokens:
+        # As the built-in engine: the prompt must leave room for one token, and a completion that reaches
+        # max_seq_len_tokens finishes there ("length"); max_tokens is cut to the room left.
+        limit = self.config.max_seq_len_tokens - 1
+        if len(request.prompt_token_ids) > limit:
             raise ValueError(
-                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens ({p.max_tokens}) exceeds this "
-                f"engine's max_seq_len_tokens={self.config.max_seq_len_tokens}"
+                f"request {request.request_id}: prompt has {len(request.prompt_token_ids)} tokens, more than "
+                f"the {limit} that max_seq_len_tokens={self.config.max_seq_len_tokens} allows; raise "
+                "--max-seq-len-tokens or shorten the prompt"
             )
         for name, k in (
             ("topk_prompt_logprobs", request.topk_prompt_logprobs),
@@ -340,16 +398,43 @@ class VllmEngine:
         with self._lock:
             self._lookup_adapter(request.adapter)
 
-    def _lookup_adapter(self, name: str | None) -> tuple[Any, int | None]:
+    def _lookup_adapter(self, name: str | None) -> Any:
+        """The LoRARequest a request on adapter `name` runs with (the zero adapter or None for the base
+        model); ValueError for an unknown name. Called with the lock held."""
         if name is None:
-            return None, None
+            return self._zero_lora
         entry = self._adapters.get(name)
         if entry is None:
             raise ValueError(
                 f"no adapter named {name!r} is registered (registered: {sorted(self._adapters)}); register "
                 "it with set_adapter first, or leave adapter unset for the base model"
             )
-        return entry
+        return entry.lora
+
+    def _new_lora_id(self) -> int:
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        return lora_id
+
+    def _ensure_zero_lora(self) -> None:
+        """The base rows' all-zero adapter (rank 1, one module), written once."""
+        with self._lock:
+            if self._zero_lora is not None:
+                return
+            lora_id = self._new_lora_id()
+        import torch
+        from vllm.lora.request import LoRARequest
+
+        module, (fan_in, fan_out) = next(iter(sorted(self._lora_shapes.items())))
+        tensors = {
+            f"base_model.model.{module}.lora_A.weight": torch.zeros(1, fan_in),
+            f"base_model.model.{module}.lora_B.weight": torch.zeros(fan_out, 1),
+        }
+        path = self._scratch / "zero-adapter"
+        write_adapter_dir(path, AdapterUpdate(name=_ZERO_LORA, version=0, rank=1, scale=1.0, tensors=tensors))
+        with self._lock:
+            if self._zero_lora is None:
+                self._zero_lora = LoRARequest(_lora_name(_ZERO_LORA, lora_id), lora_id, str(path))
 
     def _sampling_params(self, request: SampleRequest) -> Any:
         from vllm import SamplingParams
@@ -359,7 +444,7 @@ class VllmEngine:
         asks_prompt = request.prompt_logprobs or request.topk_prompt_logprobs > 0
         return SamplingParams(
             n=1,
-            max_tokens=p.max_tokens,
+            max_tokens=min(p.max_tokens, self.config.max_seq_len_tokens - len(request.prompt_token_ids)),
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k if p.top_k > 0 else 0,
@@ -396,11 +481,59 @@ class VllmEngine:
             self._recent.append(UpdateRecord(version, pause_s, copy_s, 0, 0))
         return []
 
-    def _admit(self, waiting: list[tuple[SampleRequest, Any, int | None]]) -> list[Completion]:
+    def _install_adapters(self) -> None:
+        """Staged replacements: files moved into the adapter's directory (the only one vLLM reads for
+        that id), then reloaded in place; requests on it use the new weights from this step."""
+        with self._lock:
+            staged, self._staged = self._staged, {}
+        if not staged:
+            return
+        from vllm.lora.request import LoRARequest
+
+        for name, (lora_id, directory, version) in staged.items():
+            with self._lock:
+                adapter = self._adapters.get(name)
+            if adapter is None or adapter.lora.lora_int_id != lora_id:  # removed after staging
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            for file in (directory / "adapter").iterdir():
+                os.replace(file, adapter.path / file.name)
+            shutil.rmtree(directory, ignore_errors=True)
+            self._engine.add_lora(
+                LoRARequest(_lora_name(name, lora_id), lora_id, str(adapter.path), load_inplace=True)
+            )
+            with self._lock:
+                adapter.version = version
+                self._lora_versions[lora_id] = version
+                self._counters.adapter_updates_applied += 1
+
+    def _unload_retired(self) -> None:
+        """Removed adapters that no running request uses any more leave vLLM's cache and the disk."""
+        with self._lock:
+            in_use = {r.lora_id for r in self._running.values()} | {
+                self._adapters[r.adapter].lora.lora_int_id
+                for r, _ in self._waiting
+                if r.adapter in self._adapters
+            }
+            done = [i for i in self._retired if i not in in_use]
+            paths = [self._retired.pop(i) for i in done]
+        for lora_id, path in zip(done, paths, strict=True):
+            self._engine.remove_lora(lora_id)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _admit(self, waiting: list[tuple[SampleRequest, Any]]) -> list[Completion]:
         from vllm.inputs import TokensPrompt
 
         failed = []
-        for request, (params, lora), adapter_version in waiting:
+        for request, params in waiting:
+            with self._lock:
+                try:
+                    lora = self._lookup_adapter(request.adapter)
+                except ValueError as exc:  # removed after it was queued
+                    self._in_flight.discard(request.request_id)
+                    failed.append(_completion(_Running(request, None), "abort", error=str(exc)))
+                    continue
+            lora_id = lora.lora_int_id if lora is not None and request.adapter is not None else None
             try:
                 self._engine.add_request(
                     request.request_id,
@@ -412,10 +545,10 @@ class VllmEngine:
                 with self._lock:
                     self._counters.prefill_failures += 1
                     self._in_flight.discard(request.request_id)
-                failed.append(_completion(_Running(request, adapter_version), "abort", error=str(exc)))
+                failed.append(_completion(_Running(request, lora_id), "abort", error=str(exc)))
                 continue
             with self._lock:
-                self._running[request.request_id] = _Running(request, adapter_version)
+                self._running[request.request_id] = _Running(request, lora_id)
         return failed
 
     def _abort(self, request_ids: set[str]) -> list[Completion]:
@@ -443,7 +576,7 @@ class VllmEngine:
                 if running.request.params.topk_logprobs > 0:
                     k = running.request.params.topk_logprobs
                     running.topk_logprobs += [_top(lp, k) for lp in new_logprobs]
-                stamp = version if running.adapter_version is None else running.adapter_version
+                stamp = version if running.lora_id is None else self._lora_versions[running.lora_id]
                 running.versions += [stamp] * len(new)
                 self._counters.tokens_generated += len(new)
                 if output.finished:
@@ -494,6 +627,12 @@ def _completion(
         topk_logprobs=running.topk_logprobs if request.params.topk_logprobs > 0 else None,
         error=error,
     )
+
+
+def _lora_name(name: str, lora_id: int) -> str:
+    """vLLM's name for a LoRA id. vLLM tells LoRARequests apart by name (their __eq__ and __hash__), so a
+    name removed while requests still run on it and registered again must not look like its successor."""
+    return f"{name}@{lora_id}"
 
 
 def _top(logprobs: dict[int, Any], k: int) -> list[tuple[int, float]]:
