@@ -13,7 +13,6 @@ import copy
 import functools
 import math
 import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -28,6 +27,7 @@ import transformers
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig, Engine, SteppedEngine
 from inflight.inference.http_engine import HttpEngine
 from inflight.inference.server import ServerThread, create_app
+from inflight.launch.engine_process import EngineProcess
 from inflight.launch.vllm_env import VllmEnvError, vllm_python
 from inflight.models.lora_adapter import peft_key
 from inflight.types import AdapterUpdate, Completion, SampleRequest, SamplingParams, WeightUpdate
@@ -73,8 +73,8 @@ def over_http(runner: str) -> Factory:
 
 
 class VllmServers:
-    """`inflight serve-engine --backend vllm` processes, run by the vLLM environment's python
-    (`launch/vllm_env.py`, built on first use and cached) on free loopback ports.
+    """`inflight serve-engine --backend vllm` processes (`launch/engine_process.py`, run by the vLLM
+    environment's python, built on first use and cached) on free loopback ports.
 
     A vLLM start costs ~10 s here, so one server per (model, batch, length) serves every test: an engine
     handed out is reset on close (its adapters removed), and a server whose weights were updated is stopped
@@ -83,14 +83,14 @@ class VllmServers:
     """
 
     def __init__(self) -> None:
-        self._servers: dict[tuple[int, int, int], tuple[subprocess.Popen[bytes], str]] = {}
+        self._servers: dict[tuple[int, int, int], EngineProcess] = {}
         self._dirs: list[tempfile.TemporaryDirectory[str]] = []
 
     def make(self, model: transformers.PreTrainedModel, tokenizer: Any, batch: int, seq_len: int) -> Engine:
         key = (id(model), batch, seq_len)
-        if key not in self._servers or self._servers[key][0].poll() is not None:
+        if key not in self._servers or not self._servers[key].alive():
             self._servers[key] = self._start(model, batch, seq_len)
-        return VllmServed(self, key, self._servers[key][1])
+        return VllmServed(self, key, self._servers[key].url)
 
     def release(self, key: tuple[int, int, int], engine: VllmServed) -> None:
         if engine.version != 0:
@@ -101,9 +101,9 @@ class VllmServers:
         for name in httpx.get(f"{engine.url}/adapters", timeout=30).json()["adapters"]:
             engine.remove_adapter(name)
 
-    def _start(self, model: transformers.PreTrainedModel, batch: int, seq_len: int) -> tuple[Any, str]:
+    def _start(self, model: transformers.PreTrainedModel, batch: int, seq_len: int) -> EngineProcess:
         try:
-            python = vllm_python()
+            vllm_python()
         except VllmEnvError as exc:
             if os.environ.get("CI"):
                 pytest.fail(f"the vLLM environment must build in CI: {exc}")
@@ -112,39 +112,17 @@ class VllmServers:
         self._dirs.append(directory)
         model.save_pretrained(directory.name)
         word_level_tokenizer(model.config.vocab_size).save_pretrained(directory.name)
-        from inflight.preflight import bind_port
-
-        with bind_port("127.0.0.1", 0) as sock:  # a free port, released for the server to take
-            port = int(sock.getsockname()[1])
-        command = [
-            str(python), "-m", "inflight.cli", "serve-engine", "--backend", "vllm", "--model", directory.name,
-            "--port", str(port), "--max-batch-size", str(batch), "--max-seq-len-tokens", str(seq_len),
-        ]  # fmt: skip
-        log = open(Path(directory.name) / "server.log", "wb")  # noqa: SIM115 (lives as long as the server)
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        import httpx
-
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    return process, url
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                tail = (Path(directory.name) / "server.log").read_text()[-3000:]
-                raise RuntimeError(f"serve-engine --backend vllm did not come up on {url}:\n{tail}")
-            time.sleep(0.5)
+        server = EngineProcess(
+            directory.name,
+            backend="vllm",
+            max_batch_size=batch,
+            max_seq_len_tokens=seq_len,
+            log_path=Path(directory.name) / "server.log",
+        )
+        return server.start()
 
     def stop(self, key: tuple[int, int, int]) -> None:
-        process, _ = self._servers.pop(key)
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        self._servers.pop(key).stop()
 
     def close(self) -> None:
         for key in list(self._servers):

@@ -50,9 +50,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         print(json.dumps(run_on_ray(cfg, args.target)))
         return 0
-    from inflight.orchestrator.run import run
+    from inflight.launch.local import run_local
 
-    print(json.dumps(run(cfg, task)))
+    print(json.dumps(run_local(cfg, task)))
     return 0
 
 

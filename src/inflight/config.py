@@ -163,6 +163,16 @@ class RayConfig(_Config):
     trainer_collective_timeout_s: float = Field(default=600.0, gt=0)
 
 
+class EngineConfig(BuiltinEngineConfig):
+    """The run's inference engine: the built-in one (every field), or vLLM (`backend=vllm`): an `inflight
+    serve-engine --backend vllm` process in the environment `launch/vllm_env.py` builds (vLLM's CPU build;
+    on first use ~3.5 GB and minutes), started and stopped by the run, which reaches it over HTTP like
+    `pipeline.engine_urls`. With vLLM only max_batch_size and max_seq_len_tokens apply; the built-in
+    engine still runs the evaluations before and after training."""
+
+    backend: Literal["builtin", "vllm"] = "builtin"
+
+
 class RunConfig(_Config):
     recipe: str = "blackjack"  # the run's name: the TARGET's (a recipe name, a file's stem, a module's)
     # async: the pipeline (orchestrator/pipeline.py); sync: the on-policy reference loop (sync_loop.py).
@@ -175,7 +185,7 @@ class RunConfig(_Config):
     checkpoint_every_steps: int = 0  # 0 = only at the end
     progress: bool = True
     model: ModelConfig = Field(default_factory=ModelConfig)
-    engine: BuiltinEngineConfig = Field(default_factory=BuiltinEngineConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
@@ -193,6 +203,12 @@ class RunConfig(_Config):
             raise ValueError(
                 f"sampling.temperature={self.sampling.temperature} but trainer.temperature="
                 f"{self.trainer.temperature}: set both to one value so trainer and sampler logprobs agree"
+            )
+        if self.engine.backend == "vllm" and (self.mode != "async" or self.launcher != "local"):
+            raise ValueError(
+                "engine.backend=vllm serves the asynchronous pipeline from a vLLM process this run starts: "
+                "set mode=async and launcher=local (on Ray, start `inflight serve-engine --backend vllm` "
+                "yourself and name it in pipeline.engine_urls)"
             )
         if self.launcher == "ray" and self.mode != "async":
             raise ValueError(

@@ -282,4 +282,9 @@ def check_run(cfg: RunConfig, env_name: str = "", env_factory: Any = None) -> No
         check_env(cfg.env.name, cfg.env.kwargs)
     elif env_factory is not None:
         check_env(env_name, cfg.env.kwargs, env_factory)
+    if cfg.engine.backend == "vllm" and cfg.pipeline.engine_urls:
+        raise UserError(
+            "engine.backend=vllm starts its own vLLM engine, but pipeline.engine_urls names engines too: "
+            "unset one (engines you started yourself: leave engine.backend at builtin)"
+        )
     check_engine_urls(cfg.pipeline.engine_urls)

@@ -10,9 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from inflight.config import EnvConfig, EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
+from inflight.config import (
+    EngineConfig,
+    EnvConfig,
+    EvalConfig,
+    GRPOConfig,
+    RunConfig,
+    SamplingConfig,
+    WarmupConfig,
+)
 from inflight.envs.arithmetic import ArithmeticEnv
-from inflight.inference.builtin import BuiltinEngineConfig
 from inflight.recipes.common import rate_summary, tiny_model_loss
 from inflight.trainer import TrainerConfig
 
@@ -36,7 +43,7 @@ def preset() -> RunConfig:
         sampling=SamplingConfig(temperature=1.0, max_tokens_per_turn=4),
         grpo=GRPOConfig(steps=600, prompts_per_step=32, group_size=8, advantage="mean_std", max_turns=1),
         warmup=WarmupConfig(sft_steps=100, sft_batch_size=64, sft_lr=3e-3, tokens="all"),
-        engine=BuiltinEngineConfig(max_batch_size=256, max_seq_len_tokens=64),
+        engine=EngineConfig(max_batch_size=256, max_seq_len_tokens=64),
         eval=EvalConfig(num_episodes=1_000, every_steps=100, num_episodes_during=500),
     )
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from inflight.config import EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
+from inflight.config import EngineConfig, EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
 from inflight.envs.blackjack import BlackJackEnv, basic_strategy_policy, play_hands
-from inflight.inference.builtin import BuiltinEngineConfig
 from inflight.orchestrator.task import env_test_seeds
 from inflight.recipes.common import tiny_model_loss
 from inflight.trainer import TrainerConfig
@@ -42,7 +41,7 @@ def preset() -> RunConfig:
         # the cards and to answer `hit`/`stand`; the replies are random, never the strategy.
         warmup=WarmupConfig(sft_steps=100, sft_batch_size=64, sft_lr=3e-3, tokens="all"),
         # A hand's next turn resumes from the K/V its last turn left (128 spare rows of ~2 MB each).
-        engine=BuiltinEngineConfig(max_batch_size=128, prefix_cache_rows=128),
+        engine=EngineConfig(max_batch_size=128, prefix_cache_rows=128),
         # The learning bar is greedy play on the 10,000 fixed hands; the sampled policy's return is reported
         # on the first 2,000 of them (standard error ~0.02), where it costs a fifth.
         eval=EvalConfig(

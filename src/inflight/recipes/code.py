@@ -14,9 +14,8 @@ import random
 import re
 from typing import Any
 
-from inflight.config import EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
+from inflight.config import EngineConfig, EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
 from inflight.envs.code import CodeEnv, CodeObservation, load_problems
-from inflight.inference.builtin import BuiltinEngineConfig
 from inflight.recipes.common import rate_summary, tiny_model_loss
 from inflight.trainer import TrainerConfig
 
@@ -35,7 +34,7 @@ def preset() -> RunConfig:
         # Every warm-up reply is real code whose tests run in the sandbox (~4 executions a reply): a
         # smaller warm-up than the other recipes' keeps it to a few minutes on 2 cores.
         warmup=WarmupConfig(sft_steps=60, sft_batch_size=16, sft_lr=3e-3, tokens="all"),
-        engine=BuiltinEngineConfig(max_batch_size=64, max_seq_len_tokens=256),
+        engine=EngineConfig(max_batch_size=64, max_seq_len_tokens=256),
         eval=EvalConfig(num_episodes=64, every_steps=20, num_episodes_during=32),
     )
 

@@ -14,8 +14,15 @@ import random
 import re
 from typing import Any
 
-from inflight.config import EvalConfig, GRPOConfig, PipelineConfig, RunConfig, SamplingConfig, WarmupConfig
-from inflight.inference.builtin import BuiltinEngineConfig
+from inflight.config import (
+    EngineConfig,
+    EvalConfig,
+    GRPOConfig,
+    PipelineConfig,
+    RunConfig,
+    SamplingConfig,
+    WarmupConfig,
+)
 from inflight.rollouts.api import RolloutContext
 from inflight.trainer import LossConfig, TrainerConfig
 from inflight.types import Rollout
@@ -91,7 +98,7 @@ def preset() -> RunConfig:
             steps=100, prompts_per_step=8, group_size=8, advantage="mean_std", max_turns=MAX_GUESSES
         ),
         warmup=WarmupConfig(sft_steps=150, sft_batch_size=32, sft_lr=3e-3, tokens="all"),
-        engine=BuiltinEngineConfig(max_batch_size=128, max_seq_len_tokens=512),
+        engine=EngineConfig(max_batch_size=128, max_seq_len_tokens=512),
         eval=EvalConfig(num_episodes=256, every_steps=0),
         pipeline=PipelineConfig(max_staleness_steps=2, max_groups_in_flight=16),
         checkpoint_every_steps=10,

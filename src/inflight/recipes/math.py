@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from inflight.config import EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
+from inflight.config import EngineConfig, EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
 from inflight.envs.math import MathEnv
-from inflight.inference.builtin import BuiltinEngineConfig
 from inflight.recipes.common import rate_summary, tiny_model_loss
 from inflight.trainer import TrainerConfig
 
@@ -30,7 +29,7 @@ def preset() -> RunConfig:
         sampling=SamplingConfig(temperature=1.0, max_tokens_per_turn=24),
         grpo=GRPOConfig(steps=100, prompts_per_step=12, group_size=8, advantage="mean_std", max_turns=1),
         warmup=WarmupConfig(sft_steps=100, sft_batch_size=64, sft_lr=3e-3, tokens="all"),
-        engine=BuiltinEngineConfig(max_batch_size=128, max_seq_len_tokens=128),
+        engine=EngineConfig(max_batch_size=128, max_seq_len_tokens=128),
         eval=EvalConfig(num_episodes=96, every_steps=25, num_episodes_during=48),
     )
 

@@ -14,9 +14,16 @@ import random
 import re
 from typing import Any
 
-from inflight.config import EnvConfig, EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
+from inflight.config import (
+    EngineConfig,
+    EnvConfig,
+    EvalConfig,
+    GRPOConfig,
+    RunConfig,
+    SamplingConfig,
+    WarmupConfig,
+)
 from inflight.envs.tools import ToolsEnv, ToolsObservation
-from inflight.inference.builtin import BuiltinEngineConfig
 from inflight.recipes.common import rate_summary, tiny_model_loss
 from inflight.trainer import TrainerConfig
 
@@ -40,7 +47,7 @@ def preset() -> RunConfig:
         warmup=WarmupConfig(sft_steps=100, sft_batch_size=32, sft_lr=3e-3, tokens="all"),
         # Room for the longest task prompt (~250 tokens), three replies and two tool outputs (each cut
         # to 1,000 characters by the env).
-        engine=BuiltinEngineConfig(max_batch_size=32, max_seq_len_tokens=1536),
+        engine=EngineConfig(max_batch_size=32, max_seq_len_tokens=1536),
         eval=EvalConfig(num_episodes=64, every_steps=20, num_episodes_during=32),
     )
 

@@ -1,0 +1,50 @@
+"""The local launcher (`launcher=local`, the default): the run in this process, and with
+`engine.backend=vllm` a vLLM engine process beside it (`engine_process.py`), started before the run and
+stopped after it, which the pipeline reaches over HTTP as it reaches `pipeline.engine_urls`. Owns only that
+placement; the run itself is `orchestrator/run.py`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from inflight.config import RunConfig
+from inflight.errors import UserError
+
+if TYPE_CHECKING:
+    from inflight.orchestrator.task import Task
+
+
+def run_local(cfg: RunConfig, task: Task) -> dict[str, Any]:
+    """`orchestrator.run.run(cfg, task)`, with the vLLM engine process when cfg.engine.backend is vllm."""
+    from inflight.orchestrator.run import run
+
+    if cfg.engine.backend != "vllm":
+        return run(cfg, task)
+    assert not cfg.pipeline.engine_urls, "preflight.check_run refuses engine_urls with engine.backend=vllm"
+    from inflight.launch.engine_process import EngineProcess
+    from inflight.orchestrator.setup import resolve_model
+
+    model_dir = resolve_model(cfg)
+    if not os.path.isdir(model_dir):
+        raise UserError(
+            f"engine.backend=vllm needs model.path to be a local model directory in safetensors, got "
+            f"{model_dir!r}: download it first (e.g. `huggingface-cli download ID --local-dir DIR`)"
+        )
+    # Half the cores for the engine, the rest for the trainer: two processes each spinning OpenMP threads
+    # on every core slow each other down many times over.
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    print(f"engine.backend=vllm: starting the vLLM engine for {model_dir} ...", file=sys.stderr, flush=True)
+    with EngineProcess(
+        model_dir,
+        backend="vllm",
+        max_batch_size=cfg.engine.max_batch_size,
+        max_seq_len_tokens=cfg.engine.max_seq_len_tokens,
+        threads=threads,
+    ) as engine:
+        print(f"engine.backend=vllm: serving at {engine.url}", file=sys.stderr, flush=True)
+        placed = cfg.model_copy(deep=True)
+        placed.pipeline.engine_urls = [engine.url]
+        return run(placed, task)
