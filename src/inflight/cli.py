@@ -99,6 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         shutdown_grace_s=args.shutdown_grace_s,
+        engine=args.engine,
     )
     return 0
 
@@ -126,6 +127,9 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
         kv_policy=args.kv_policy,
         max_seq_len_tokens=args.max_seq_len_tokens,
         device=args.device,
+        logprobs_kind=args.logprobs_kind,
+        max_lora_rank=args.max_lora_rank,
+        max_logprobs=args.max_logprobs,
     )
     return 0
 
@@ -228,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
         "to finish; what is left then fails with an error naming the shutdown (default 20; a second signal "
         "ends the wait at once)",
     )
+    serve.add_argument(
+        "--engine",
+        choices=["builtin", "vllm"],
+        default="builtin",
+        help="who samples: the built-in engine in this process, or per base model a vLLM engine process "
+        "(vLLM's CPU build, in the environment `python -m inflight.launch.vllm_env` builds on first use: "
+        "~3.5 GB, minutes); training stays in this process. vLLM cannot adapt every model's LM head: "
+        "there, LoRA clients must pass train_unembed=False",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     serve_engine = sub.add_parser(
@@ -260,6 +273,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="prompt + completion (default: model limit, <=1024)",
+    )
+    serve_engine.add_argument(
+        "--logprobs-kind",
+        choices=["sampled", "raw"],
+        default="sampled",
+        help="vLLM only: the logprobs it reports under any sampling, one kind per engine (sampled: after "
+        "temperature and top-k/top-p, what the pipeline trains with; raw: the model's own distribution, "
+        "what the Tinker service returns); the built-in engine serves both per request",
+    )
+    serve_engine.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="vLLM only: the largest adapter rank it accepts (memory is reserved for it; default 16)",
+    )
+    serve_engine.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="vLLM only: the most top-k logprobs a request may ask for, per position (default 20)",
     )
     serve_engine.set_defaults(func=_cmd_serve_engine)
 

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
     from inflight.api.compute import ServiceCompute
     from inflight.api.sampler import Sampler
+    from inflight.launch.engine_process import EngineProcess
 
 log = logging.getLogger(__name__)
 _CONNECTIONS_CLOSE_S = 10  # uvicorn's wait for open connections once the drain is over
@@ -77,7 +78,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state, worker, sampler = _start(config, compute, worker_config, metrics)
+        state, worker, sampler, engines = _start(config, compute, worker_config, metrics)
         shutdown.attach(state.store, stop_worker=worker.request_stop, on_failed=state.board.notify)
         metrics.attach(
             state.db,
@@ -93,6 +94,8 @@ def create_app(
             await asyncio.to_thread(shutdown.drain, "the app's lifespan ended")
             worker.stop()
             sampler.stop()  # after the worker: nothing submits any more
+            for engine in engines:  # the vLLM processes, after the sampler that talked to them
+                engine.close()
             state.db.close()
 
     app = FastAPI(title="inflight: Tinker-compatible service", lifespan=lifespan)
@@ -120,13 +123,17 @@ def _start(
     compute: ServiceCompute | None,
     worker_config: WorkerConfig | None,
     metrics: ServiceMetrics,
-) -> tuple[ServiceState, EngineWorker, Sampler]:
+) -> tuple[ServiceState, EngineWorker, Sampler, list[EngineProcess]]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     if compute is None:
         compute = load_compute(config)
     from inflight.api.sampler import build_sampler  # torch: imported when the service starts
 
-    sampler = build_sampler(compute.sampling_engines())
+    engines: list[EngineProcess] = []
+    if config.engine == "vllm":
+        sampler = _vllm_sampler(config, compute, engines)
+    else:
+        sampler = build_sampler(compute.sampling_engines())
     base_models = {name: _base_model_info(compute, name) for name in compute.base_model_names()}
     db = Database(config.database_url)
     checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
@@ -160,7 +167,51 @@ def _start(
     )
     sampler.start()
     worker.start()
-    return state, worker, sampler
+    return state, worker, sampler, engines
+
+
+def _vllm_sampler(config: ServiceConfig, compute: ServiceCompute, engines: list[EngineProcess]) -> Sampler:
+    """Per base model a `serve-engine --backend vllm` process (appended to `engines` as it starts, so the
+    caller stops what started when a later one fails), reporting the raw logprobs Tinker's wire carries,
+    and the sampler over them; each base model's adapters limited to the modules vLLM can adapt."""
+    import httpx
+
+    from inflight.api.sampler import Sampler
+    from inflight.inference.http_engine import HttpEngine
+    from inflight.launch.engine_process import EngineProcess
+
+    limits = compute.sampling_limits()
+    loops = {}
+    try:
+        for name in compute.base_model_names():
+            engine = EngineProcess(
+                compute.model_info(name)["source"],
+                backend="vllm",
+                max_batch_size=compute.config.max_sample_rows,
+                max_seq_len_tokens=limits[name].max_context,
+                logprobs_kind="raw",
+                max_lora_rank=_vllm_rank(config.max_lora_rank),
+                max_logprobs=config.max_topk_logprobs,
+            )
+            engines.append(engine)
+            log.info("base model %r: starting its vLLM engine", name)
+            engine.start()
+            health = httpx.get(f"{engine.url}/health", timeout=30).json()
+            compute.sample_only_on(name, health["lora_modules"])
+            loops[name] = HttpEngine([engine.url])
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return Sampler(loops, limits)
+
+
+def _vllm_rank(max_rank: int) -> int:
+    """vLLM takes its max LoRA rank from a fixed set (8, 16, 32, 64, ...): the smallest holding `max_rank`."""
+    rank = 8
+    while rank < max_rank:
+        rank *= 2
+    return rank
 
 
 def _base_model_info(compute: ServiceCompute, name: str) -> BaseModelInfo:
@@ -200,6 +251,7 @@ def serve(
     dtype: DtypeName = "auto",
     device: str = "auto",
     shutdown_grace_s: float = 20.0,
+    engine: Literal["builtin", "vllm"] = "builtin",
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
@@ -222,6 +274,7 @@ def serve(
         dtype=dtype,
         device=device,
         shutdown_grace_s=shutdown_grace_s,
+        engine=engine,
     )
     from inflight.models.device import resolve_device
 
@@ -266,7 +319,9 @@ def load_compute(config: ServiceConfig) -> ServiceCompute:
     return ServiceCompute(
         config.base_models,
         max_rank=config.max_lora_rank,
-        config=ServiceComputeConfig(dtype=config.dtype, device=config.device),
+        config=ServiceComputeConfig(
+            dtype=config.dtype, device=config.device, sampling_engine=config.engine == "builtin"
+        ),
     )
 
 

@@ -70,6 +70,8 @@ class ServiceComputeConfig(BaseModel):
     # max_sample_rows or as many as this budget holds (a 1.5M tiny model at 2048 tokens: 4 MiB per row).
     sample_kv_cache_mb: int = Field(default=512, ge=1)
     max_context_tokens: int | None = Field(default=None, ge=2)  # None: the model's max positions
+    # False: no sampling engine in this process (another samples: `inflight serve --engine vllm`).
+    sampling_engine: bool = True
     seed: int | None = None  # generator of unseeded samples; None = nondeterministic
 
 
@@ -80,7 +82,7 @@ class _Base:
     name: str
     source: str  # the directory or hub id it was loaded from
     adapters: AdapterSet
-    sampling: BuiltinEngine  # its own copy of the base weights; adapters reach it as AdapterUpdates
+    sampling: BuiltinEngine | None  # its own copy of the base weights (None: sampled elsewhere)
     config: Any  # the Hugging Face model config
     tokenizer: Any
     vocab_size: int
@@ -259,10 +261,25 @@ class ServiceCompute:
 
     def sampling_engines(self) -> dict[str, tuple[BuiltinEngine, SamplingLimits]]:
         """Each base model's sampling engine (not yet stepped by anyone) and what its jobs must fit in."""
+        limits = self.sampling_limits()
+        engines = {}
+        for name, base in self._bases.items():
+            if base.sampling is None:
+                raise RuntimeError("this compute was built without sampling engines (sampling_engine=False)")
+            engines[name] = (base.sampling, limits[name])
+        return engines
+
+    def sampling_limits(self) -> dict[str, SamplingLimits]:
+        """What each base model's sample jobs must fit in."""
         return {
-            name: (base.sampling, SamplingLimits(base.vocab_size, base.max_context, base.eos_ids))
+            name: SamplingLimits(base.vocab_size, base.max_context, base.eos_ids)
             for name, base in self._bases.items()
         }
+
+    def sample_only_on(self, base_model: str, modules: Sequence[str]) -> None:
+        """Adapters of `base_model` may adapt only these modules (last name part): the LoRA layers the engine
+        that samples them can adapt (vLLM's); an adapter asking for another is refused when created."""
+        self._base(base_model).adapters.samplable = frozenset(modules)
 
     def sampler_update(self, model_id: str, key: str) -> AdapterUpdate:
         """The adapter's current weights as sampler weights named `key` (the engine copies them)."""
@@ -336,7 +353,11 @@ class ServiceCompute:
             max_context = min(max_context, self.config.max_context_tokens)
         tokenizer = load_tokenizer(source)
         # The sampling engine copies the weights first: the adapter set then wraps the model's layers.
-        sampling = BuiltinEngine(model, tokenizer, self._sampling_config(name, config, max_context))
+        sampling = (
+            BuiltinEngine(model, tokenizer, self._sampling_config(name, config, max_context))
+            if self.config.sampling_engine
+            else None
+        )
         adapters = AdapterSet(model, self._device, max_rank=self.max_rank)
         eos: set[int] = set()
         generation = hf_model.generation_config

@@ -17,6 +17,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from inflight.api.job_types import SampledSequence, SampleJob, SampleOutput, TargetLogprobs
 from inflight.errors import UserError
@@ -36,9 +37,26 @@ class SamplingLimits:
     eos_ids: tuple[int, ...]  # Tinker: no stop given = stop at EOS
 
 
+class SamplingLoop(Protocol):
+    """What the sampler drives per base model: an `EngineLoop` over the built-in engine in this process, or
+    an `HttpEngine` on a `serve-engine` process (`inflight serve --engine vllm`). Thread-safe."""
+
+    def start(self) -> object: ...
+
+    def stop(self) -> None: ...
+
+    def submit(self, request: SampleRequest) -> concurrent.futures.Future[Completion]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def set_adapter(self, update: AdapterUpdate) -> None: ...
+
+    def remove_adapter(self, name: str) -> None: ...
+
+
 def build_sampler(engines: Mapping[str, tuple[BuiltinEngine, SamplingLimits]]) -> Sampler:
     """A loop per base model's engine (started by `Sampler.start`)."""
-    loops = {name: EngineLoop(engine) for name, (engine, _) in engines.items()}
+    loops: dict[str, SamplingLoop] = {name: EngineLoop(engine) for name, (engine, _) in engines.items()}
     return Sampler(loops, {name: limits for name, (_, limits) in engines.items()})
 
 
@@ -49,7 +67,7 @@ class Sampler:
     last sequence (callers hand it back to their own thread, e.g. with a queue).
     """
 
-    def __init__(self, loops: Mapping[str, EngineLoop], limits: Mapping[str, SamplingLimits]) -> None:
+    def __init__(self, loops: Mapping[str, SamplingLoop], limits: Mapping[str, SamplingLimits]) -> None:
         self._loops = dict(loops)
         self._limits = dict(limits)
         self._adapters: dict[str, str] = {}  # sampler key -> its base model
@@ -79,14 +97,14 @@ class Sampler:
         owner = self._adapters.get(update.name)
         if owner is not None and owner != base_model:
             raise UserError(f"sampler weights {update.name!r} already belong to base model {owner!r}")
-        self._loop(base_model).engine.set_adapter(update)
+        self._loop(base_model).set_adapter(update)
         self._adapters[update.name] = base_model
 
     def remove_adapter(self, key: str) -> None:
         """Forget sampler weights (idempotent); samples already running on them finish on them."""
         base_model = self._adapters.pop(key, None)
         if base_model is not None:
-            self._loops[base_model].engine.remove_adapter(key)
+            self._loops[base_model].remove_adapter(key)
 
     def cancel(self, key: str) -> bool:
         """Abort the job submitted under `key` (any thread): its future fails with SampleCancelledError at
@@ -122,7 +140,7 @@ class Sampler:
                 submitted.append(request.request_id)
         except ValueError as exc:  # the engine's own check refused it: the job's fault, nothing else
             for request_id in submitted:
-                loop.engine.abort(request_id)
+                loop.abort(request_id)
             raise UserError(f"sample: {exc}") from exc
         if key is not None:
             with self._jobs_lock:
@@ -135,7 +153,7 @@ class Sampler:
             if self._jobs.get(key) is gather:
                 del self._jobs[key]
 
-    def _loop(self, base_model: str) -> EngineLoop:
+    def _loop(self, base_model: str) -> SamplingLoop:
         if base_model not in self._loops:
             raise UserError(f"unknown base model {base_model!r}; this server has: {', '.join(self._loops)}")
         return self._loops[base_model]
@@ -153,7 +171,7 @@ class _Gather:
         job: SampleJob,
         out: concurrent.futures.Future[SampleOutput],
         requests: Sequence[SampleRequest],
-        loop: EngineLoop,
+        loop: SamplingLoop,
     ) -> None:
         self._job = job
         self._out = out
@@ -170,10 +188,12 @@ class _Gather:
                 return
             self._out.set_exception(SampleCancelledError("sample cancelled"))
         for request_id in self._request_ids:
-            self._loop.engine.abort(request_id)
+            self._loop.abort(request_id)
 
     def done(self, i: int, future: concurrent.futures.Future[Completion]) -> None:
         error = future.exception() if not future.cancelled() else RuntimeError("sample request cancelled")
+        if isinstance(error, ValueError):  # a remote engine refused the request itself: the job's fault
+            error = UserError(f"sample: {error}")
         with self._lock:
             if self._out.done():
                 return
@@ -188,7 +208,7 @@ class _Gather:
             if error is not None:
                 self._out.set_exception(error)
                 for request_id in self._request_ids:  # the job failed: its other sequences are wasted work
-                    self._loop.engine.abort(request_id)
+                    self._loop.abort(request_id)
             elif self._left == 0:
                 self._out.set_result(sample_output(self._job, [c for c in self._results if c is not None]))
         except concurrent.futures.InvalidStateError:  # settled by a concurrent callback

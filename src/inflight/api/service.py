@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -43,6 +43,9 @@ class ServiceConfig(BaseModel):
     max_lora_rank: int = Field(default=64, ge=1)
     dtype: DtypeName = "auto"  # base weights: see ServiceComputeConfig.dtype
     device: str = "auto"  # auto (CUDA when there is one, else cpu), cpu, cuda, cuda:N: everything runs there
+    # Who samples: the built-in engine in this process, or per base model an `inflight serve-engine
+    # --backend vllm` process this service starts (vLLM's CPU build; `launch/vllm_env.py`), reached over HTTP.
+    engine: Literal["builtin", "vllm"] = "builtin"
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
     max_num_samples: int = Field(default=256, ge=1)  # per sample request
     # per prompt position: a [prompt, k] table is built and sent back (vLLM's default cap is 20)

@@ -23,7 +23,8 @@ class _ServedConfig(Protocol):
 class ServedEngine(SteppedEngine, Protocol):
     """What the server needs of a backend besides the SteppedEngine protocol: the built-in engine and
     `vllm_engine.VllmEngine` both provide it (the step loop polls `has_pending_update`; /metrics, /health and
-    the update routes read `metrics()`; the OpenAI routes read `config.max_seq_len_tokens`)."""
+    the update routes read `metrics()`; the OpenAI routes read `config.max_seq_len_tokens`; /health reports
+    `lora_modules()`)."""
 
     @property
     def config(self) -> _ServedConfig: ...
@@ -31,6 +32,10 @@ class ServedEngine(SteppedEngine, Protocol):
     def has_pending_update(self) -> bool: ...
 
     def metrics(self) -> EngineMetrics: ...
+
+    def lora_modules(self) -> list[str] | None:
+        """The modules (last name part, e.g. "q_proj", "lm_head") an adapter may adapt; None: any linear."""
+        ...
 
 
 def load_backend(
@@ -41,12 +46,13 @@ def load_backend(
     dtype: str,
     kv_policy: str,
     device: str = "cpu",
+    vllm: dict[str, object] | None = None,
 ) -> tuple[ServedEngine, tuple[int, ...]]:
     """The engine of `backend` over `model` (a directory or hub id) and the ids generation stops at (the
     model's generation config's EOS ids); `kv_policy` and `device` are the built-in engine's only (vLLM
-    places itself)."""
+    places itself); `vllm`: VllmEngineConfig fields for vLLM (logprobs_kind, max_lora_rank, ...)."""
     if backend == "vllm":
-        return _vllm_engine(model, max_batch_size, max_seq_len_tokens, dtype)
+        return _vllm_engine(model, max_batch_size, max_seq_len_tokens, dtype, vllm or {})
     return _builtin_engine(model, max_batch_size, max_seq_len_tokens, dtype, kv_policy, device)
 
 
@@ -78,7 +84,7 @@ def _builtin_engine(
 
 
 def _vllm_engine(
-    model: str, max_batch_size: int, max_seq_len_tokens: int | None, dtype: str
+    model: str, max_batch_size: int, max_seq_len_tokens: int | None, dtype: str, options: dict[str, object]
 ) -> tuple[ServedEngine, tuple[int, ...]]:
     from transformers import AutoConfig, GenerationConfig
 
@@ -98,6 +104,7 @@ def _vllm_engine(
             max_batch_size=max_batch_size,
             max_seq_len_tokens=max_seq_len_tokens,
             dtype="float32" if dtype == "auto" else dtype,
+            **options,
         )
     )
     return VllmEngine(model, config), stop_ids

@@ -245,6 +245,10 @@ class BuiltinEngine:
     def device(self) -> torch.device:
         return self._device
 
+    def lora_modules(self) -> list[str] | None:
+        """Adapters may adapt any linear layer of the model, the LM head included."""
+        return None
+
     def adapters(self) -> dict[str, int]:
         """Registered adapter name -> the version new requests get (a pending replacement's, if any)."""
         with self._lock:

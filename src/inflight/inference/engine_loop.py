@@ -120,6 +120,15 @@ class EngineLoop:
         self.engine.set_adapter(update)
         self._wake.set()
 
+    def remove_adapter(self, name: str) -> None:
+        """Unregister an adapter (the engine's ValueError when there is none); requests on it finish on it."""
+        self.engine.remove_adapter(name)
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request at the next step with reason "abort" (ignored when it is no longer in flight)."""
+        self.engine.abort(request_id)
+        self._wake.set()
+
     def metrics(self) -> dict[str, float]:
         """The engine's in-flight update counters since it started (the pipeline logs them every step)."""
         m = self.engine.metrics()

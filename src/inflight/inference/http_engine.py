@@ -6,6 +6,7 @@ the async `client.BalancedClient` runs on; balancing, retries and replica recove
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -38,6 +39,8 @@ class HttpEngine:
         self._thread.start()
         self._client = BalancedClient(urls, config)
         self._run(self._client.start())
+        self._submitted: dict[str, concurrent.futures.Future[Completion]] = {}  # by submit(), in flight
+        self._submitted_lock = threading.Lock()
 
     def __enter__(self) -> HttpEngine:
         return self
@@ -55,6 +58,34 @@ class HttpEngine:
 
     def generate(self, requests: Sequence[SampleRequest]) -> list[Completion]:
         return self._run(self._generate(requests))
+
+    # -- as an engine loop (what the service's sampler drives: `api/sampler.py`'s SamplingLoop) ------
+    def start(self) -> HttpEngine:
+        return self
+
+    def stop(self) -> None:
+        self.close()
+
+    def submit(self, request: SampleRequest) -> concurrent.futures.Future[Completion]:
+        """Send one request from any thread; its future settles on this engine's event loop thread (a
+        request the server refuses: EngineRequestError, a ValueError). `abort(request.request_id)` cancels
+        it, and the server aborts it once no caller waits for its batch."""
+        future = asyncio.run_coroutine_threadsafe(self._client.generate(request), self._loop)
+        with self._submitted_lock:
+            self._submitted[request.request_id] = future
+        future.add_done_callback(lambda _: self._forget(request.request_id))
+        return future
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request `submit` sent (ignored when it finished already)."""
+        with self._submitted_lock:
+            future = self._submitted.get(request_id)
+        if future is not None:
+            future.cancel()
+
+    def _forget(self, request_id: str) -> None:
+        with self._submitted_lock:
+            self._submitted.pop(request_id, None)
 
     def update_weights(self, update: WeightUpdate) -> None:
         self._run(self._client.update_weights_raw(weights_bytes(update.state_dict), update.version))

@@ -497,6 +497,7 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
             num_waiting=m.num_waiting,
             adapters=service.adapters(),
             error=error,
+            lora_modules=service.engine.lora_modules(),
         )
         return JSONResponse(body.model_dump(), status_code=200 if error is None else 503)
 
@@ -589,11 +590,15 @@ def serve(
     dtype: str = "float32",
     log_level: str = "info",
     device: str = "cpu",
+    logprobs_kind: str = "sampled",
+    max_lora_rank: int = 16,
+    max_logprobs: int = 20,
 ) -> None:
     """Load `model` (a directory or hub id) into an engine of `backend` and serve it until interrupted.
     "vllm" needs the environment `launch/vllm_env.py` builds (vLLM's CPU build pins its own torch and
     transformers) and a model directory in safetensors; `kv_policy` and `device` (cpu, cuda, cuda:N or
-    auto) are the built-in engine's only."""
+    auto) are the built-in engine's only, `logprobs_kind` (the kind it reports under any sampling),
+    `max_lora_rank` and `max_logprobs` vLLM's."""
     from inflight.preflight import bind_port, check_model_dir, serve_on
 
     check_model_dir(model)
@@ -604,7 +609,18 @@ def serve(
     # The port is taken before the weights load: a port in use fails at once, and stays ours meanwhile.
     with contextlib.closing(bind_port(host, port)) as sock:
         engine, stop_ids = load_backend(
-            backend, model, max_batch_size, max_seq_len_tokens, dtype, kv_policy, device
+            backend,
+            model,
+            max_batch_size,
+            max_seq_len_tokens,
+            dtype,
+            kv_policy,
+            device,
+            vllm={
+                "logprobs_kind": logprobs_kind,
+                "max_lora_rank": max_lora_rank,
+                "max_prompt_logprobs": max_logprobs,
+            },
         )
         from inflight.models import load_tokenizer
 

@@ -6,10 +6,11 @@ chosen (`inflight serve-engine --backend vllm`, run in the environment `launch/v
 How the contract maps onto vLLM (held by tests/test_engine_contract.py's "http-vllm" backend):
 - Token-in/token-out: `TokensPrompt`, `ignore_eos` (inflight stops only where asked), one token per running
   request per `step()`, so each token is stamped with the base version installed at that step.
-- Logprobs: vLLM computes them in one engine-wide `logprobs_mode`; this engine runs "processed_logprobs"
-  (log_softmax after temperature and top-k/top-p masking), which is inflight's "sampled" kind. The "raw" kind
-  equals it at temperature 0 or 1 without truncation; a "raw" request under any other sampling is refused
-  (ValueError), since vLLM cannot report both kinds from one engine.
+- Logprobs: vLLM computes them in one engine-wide `logprobs_mode`, chosen by `logprobs_kind`: "sampled"
+  (the pipeline's; vLLM's "processed_logprobs", log_softmax after temperature and top-k/top-p masking) or
+  "raw" (the Tinker service's; "raw_logprobs"). The two kinds agree at temperature 0 or 1 without
+  truncation; a request for the other kind under any other sampling is refused (ValueError), since vLLM
+  cannot report both from one engine.
 - Prompt logprobs: vLLM's `prompt_logprobs=k` (log_softmax of the unprocessed logits); the k most likely are
   those of rank <= k. Top-k logprobs of generated tokens: vLLM's `logprobs=k` (in its logprobs_mode, so the
   "sampled" kind, as the token's own). Target prompt ids and alternative draws at prompt positions have no
@@ -64,6 +65,8 @@ class VllmEngineConfig(BaseModel):
     max_loras: int = Field(default=4, ge=0)  # adapters in one batch; 0 turns LoRA off
     max_lora_rank: int = Field(default=16, ge=1)
     max_prompt_logprobs: int = Field(default=20, ge=0)  # vLLM's max_logprobs
+    # The one kind of logprobs this engine reports under any sampling (see the module docstring).
+    logprobs_kind: Literal["sampled", "raw"] = "sampled"
     # Weight updates and adapters are written here for vLLM to read; default: a fresh directory in
     # /dev/shm (memory) where it exists.
     scratch_dir: str | None = None
@@ -113,11 +116,6 @@ class VllmEngine:
         # transformers' default is True; Qwen2 configs say False explicitly when untied.
         self._tied = bool(hf_config.get("tie_word_embeddings", True))
         self._param_shapes = _checkpoint_shapes(self._model_dir)
-        self._lora_shapes: ModuleShapes = {
-            name.removesuffix(".weight"): (shape[1], shape[0])
-            for name, shape in self._param_shapes.items()
-            if name.endswith(".weight") and len(shape) == 2 and name.split(".")[-2] in LORA_TARGETS
-        }
         shm = Path("/dev/shm")
         self._scratch = Path(
             tempfile.mkdtemp(
@@ -126,6 +124,15 @@ class VllmEngine:
             )
         )
         self._engine = self._start_vllm()
+        self._lora_targets = LORA_TARGETS + (("lm_head",) if self._adapts_lm_head() else ())
+        self._lora_shapes: ModuleShapes = {
+            name.removesuffix(".weight"): (shape[1], shape[0])
+            for name, shape in self._param_shapes.items()
+            if name.endswith(".weight") and len(shape) == 2 and name.split(".")[-2] in self._lora_targets
+        }
+        if "lm_head" in self._lora_targets and "lm_head" not in self._lora_shapes:  # tied: the embedding's
+            vocab, hidden = self._param_shapes["model.embed_tokens.weight"]
+            self._lora_shapes["lm_head"] = (hidden, vocab)
 
         self._lock = threading.Lock()  # guards everything below; never held while vLLM runs
         self._version = 0
@@ -167,7 +174,7 @@ class VllmEngine:
             # A cached prefix computed under older weights would outlive a weight update.
             enable_prefix_caching=False,
             async_scheduling=False,  # tokens must come back from the step that produced them
-            logprobs_mode="processed_logprobs",
+            logprobs_mode="processed_logprobs" if c.logprobs_kind == "sampled" else "raw_logprobs",
             max_logprobs=c.max_prompt_logprobs,
             enable_lora=c.max_loras > 0,
             max_loras=max(c.max_loras, 1) + (1 if self._cpu_platform() else 0),  # + the zero adapter
@@ -175,6 +182,18 @@ class VllmEngine:
             seed=0,
         )
         return LLMEngine.from_engine_args(args)
+
+    def _adapts_lm_head(self) -> bool:
+        """Whether vLLM's LoRA can adapt this model's LM head: its model class lists lm_head among its
+        embedding modules (Llama, Qwen3, Mistral do; Qwen2 does not)."""
+        from vllm.model_executor.models import ModelRegistry
+
+        model_config = self._engine.model_config
+        cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config=model_config)
+        return "lm_head" in (getattr(cls, "embedding_modules", None) or {})
+
+    def lora_modules(self) -> list[str]:
+        return list(self._lora_targets)
 
     @staticmethod
     def _cpu_platform() -> bool:
@@ -365,12 +384,14 @@ class VllmEngine:
         if not request.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         p = request.params
-        if p.logprobs_kind == "raw" and (p.temperature not in (0.0, 1.0) or p.truncates_distribution):
+        served = self.config.logprobs_kind
+        if p.logprobs_kind != served and (p.temperature not in (0.0, 1.0) or p.truncates_distribution):
             raise ValueError(
-                "the vLLM backend reports logprobs after temperature and top-k/top-p (vLLM's engine-wide "
-                "logprobs_mode='processed_logprobs', inflight's 'sampled' kind); logprobs_kind='raw' is "
-                "served only where the two agree (temperature 0 or 1, no top-k/top-p): ask for 'sampled', "
-                "or score the completion with prompt_logprobs"
+                f"this vLLM engine reports logprobs of the {served!r} kind (vLLM's engine-wide "
+                f"logprobs_mode, set by serve-engine --logprobs-kind); logprobs_kind={p.logprobs_kind!r} "
+                "is served only where the two agree (temperature 0 or 1, no top-k/top-p): ask for "
+                f"{served!r}, score the completion with prompt_logprobs, or start the engine with "
+                f"--logprobs-kind {p.logprobs_kind}"
             )
         # As the built-in engine: the prompt must leave room for one token, and a completion that reaches
         # max_seq_len_tokens finishes there ("length"); max_tokens is cut to the room left.

@@ -168,6 +168,8 @@ class HealthResponse(BaseModel):
     # replica that was away up to date.
     adapters: dict[str, int] = Field(default_factory=dict)
     error: str | None = None  # why the engine stopped, when status is "error"
+    # The modules (last name part) an adapter may adapt; None: any linear layer (the built-in engine).
+    lora_modules: list[str] | None = None
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -37,6 +37,9 @@ class EngineProcess:
         stop_timeout_s: float = 30.0,
         log_path: str | Path | None = None,
         threads: int | None = None,
+        logprobs_kind: Literal["sampled", "raw"] = "sampled",
+        max_lora_rank: int = 16,
+        max_logprobs: int = 20,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.backend = backend
@@ -45,6 +48,9 @@ class EngineProcess:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.threads = threads  # OMP_NUM_THREADS of the server (None: inherited)
+        self.logprobs_kind = logprobs_kind  # this and the two below: vLLM's only
+        self.max_lora_rank = max_lora_rank
+        self.max_logprobs = max_logprobs
         self._log_dir: tempfile.TemporaryDirectory[str] | None = None
         if log_path is None:
             self._log_dir = tempfile.TemporaryDirectory(prefix="inflight-engine-")
@@ -74,6 +80,9 @@ class EngineProcess:
             str(python), "-m", "inflight.cli", "serve-engine", "--backend", self.backend,
             "--model", str(self.model_dir), "--port", str(port), "--max-batch-size", str(self.max_batch_size),
         ]  # fmt: skip
+        if self.backend == "vllm":
+            command += ["--logprobs-kind", self.logprobs_kind, "--max-lora-rank", str(self.max_lora_rank)]
+            command += ["--max-logprobs", str(self.max_logprobs)]
         if self.max_seq_len_tokens is not None:
             command += ["--max-seq-len-tokens", str(self.max_seq_len_tokens)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,8 @@ class AdapterSet:
         self.router: LoraRouter
         self.router, self.shapes = attach_multi_lora(model)
         self._adapters: dict[str, TrainedAdapter] = {}
+        # The modules (last name part) the engine that samples these adapters can adapt; None: any.
+        self.samplable: frozenset[str] | None = None
 
     # ---- the adapters ------------------------------------------------------------------------------
 
@@ -62,6 +64,15 @@ class AdapterSet:
         if not shapes:
             wanted = spec.target_modules or "train_attn, train_mlp or train_unembed"
             raise UserError(f"a LoRA adapter must train something: {wanted} matches no layer of the model")
+        if self.samplable is not None:
+            unsampled = sorted({n.rsplit(".", 1)[-1] for n in shapes} - self.samplable)
+            if unsampled:
+                fix = "train_unembed=False" if unsampled == ["lm_head"] else "target modules among those"
+                cannot, can = ", ".join(unsampled), ", ".join(sorted(self.samplable))
+                raise UserError(
+                    f"this server samples with an engine (vLLM) whose LoRA cannot adapt {cannot} of this "
+                    f"model (it adapts {can}): create the LoRA with {fix}"
+                )
         adapter = LoraAdapter.create(shapes, spec.rank, spec.seed, self.device, alpha=spec.alpha)
         adapter.zero_grad_buffers()
         # lr etc. are placeholders: every optim_step sets its own hyper-parameters.
