@@ -175,7 +175,7 @@ def test_rl_loop_reward_rises(server: BackgroundServer, hub: dict[str, Any], tmp
     start = {"name": "warmup", "batch": 0, "state_path": warm["state_path"]}
     (tmp_path / "rl" / "checkpoints.jsonl").write_text(json.dumps(start) + "\n")
 
-    steps, batch, window = 40, 8, 8
+    steps, batch, window = 60, 8, 8
     hub[RL_DATA] = table(keyword_problems(steps * batch))
     rl_loop.main(
         rl_loop.Config(
