@@ -26,6 +26,7 @@ import pytest
 
 from inflight.cli import main
 from inflight.config import apply_overrides
+from inflight.errors import UserError
 from inflight.launch.ray import RAY_MISSING, bundles
 from inflight.orchestrator.target import resolve_target
 from inflight.trainer.checkpoint import checkpoint_step
@@ -253,6 +254,44 @@ def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops
     assert "Traceback" not in err
     assert checkpoint_step(lost_dir / "checkpoint") >= 2
     wait_until_released(ray_cluster)
+
+
+def test_fsdp_trainer_ranks_train_through_ray_and_publish_the_gathered_weights(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ray.trainer_sharding=fsdp: two ranks each hold half of every weight and AdamW moment (FSDP2, gloo);
+    every step's weights are gathered from both to rank 0 and sent to the engine replica, and the checkpoint
+    is written from both ranks' shards. On-policy steps (max_staleness_steps=0) make the proof: the
+    replica's logprobs equal the sharded trainer's to float32 rounding only if the gathered weights were
+    whole and current."""
+    small = ["ray.num_trainer_ranks=2", "ray.engine_cpus=0.5", "ray.trainer_cpus=0.5", "launcher=ray"]
+    run_dir = tmp_path / "fsdp"
+    argv = [
+        *tiny_run(tiny_model_dir, 4, warmup_steps=60), "grpo.prompts_per_step=8", *small,
+        "ray.trainer_sharding=fsdp", "trainer.loss.kl_coef=0", "pipeline.max_staleness_steps=0",
+        "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    summary = run_cli(capsys, "run", "blackjack", *argv)
+    assert summary["steps"] == 4
+    trained = [r for r in metrics_rows(run_dir, "train") if "loss" in r]
+    assert len(trained) >= 2, "most steps must have trained"
+    assert max(r["logprob_diff_max_abs"] for r in trained) < 1e-4, trained
+    assert checkpoint_step(run_dir / "checkpoint") == 4
+    assert (run_dir / "checkpoint" / "model.safetensors").is_file()
+    wait_until_released(ray_cluster)
+
+
+def test_fsdp_on_ray_refuses_what_it_cannot_shard(tiny_model_dir: Path) -> None:
+    cfg = apply_overrides(resolve_target("blackjack").config(), ["trainer.loss.kl_coef=0"])
+    sharded = ["launcher=ray", "ray.trainer_sharding=fsdp"]
+    assert apply_overrides(cfg, [*sharded, "ray.num_trainer_ranks=2"]).ray.trainer_sharding == "fsdp"
+    for extra in (
+        ["ray.num_trainer_ranks=1"],
+        ["ray.num_trainer_ranks=2", "trainer.lora_rank=8"],
+        ["ray.num_trainer_ranks=2", "trainer.loss.kl_coef=0.1"],
+    ):
+        with pytest.raises(UserError, match="trainer_sharding=fsdp shards full-parameter training"):
+            apply_overrides(cfg, [*sharded, *extra])
 
 
 def test_placement_bundles_follow_the_devices() -> None:

@@ -147,6 +147,10 @@ class RayConfig(_Config):
     # Data-parallel trainer ranks (trainer/distributed.py over gloo, or NCCL on GPUs): rank 0 is the run's
     # own actor, each other rank an actor on a bundle of its own (trainer_cpus, trainer_gpus).
     num_trainer_ranks: int = Field(default=1, ge=1)
+    # replicated: each rank holds the whole model (trainer/distributed.py); fsdp: each holds 1/R of every
+    # weight, gradient and AdamW moment (FSDP2, trainer/fsdp.py), for a model whose training state does not
+    # fit one device. fsdp: full-parameter training, no KL penalty, ray.num_trainer_ranks >= 2.
+    trainer_sharding: Literal["replicated", "fsdp"] = "replicated"
     # GPUs per bundle where engine.device / trainer.device is cuda (or auto on a cluster with GPUs); a
     # fraction lets replicas or the trainer share one GPU.
     engine_gpus: float = Field(default=1.0, gt=0)
@@ -209,6 +213,14 @@ class RunConfig(_Config):
                 "engine.backend=vllm serves the asynchronous pipeline from a vLLM process this run starts: "
                 "set mode=async and launcher=local (on Ray, start `inflight serve-engine --backend vllm` "
                 "yourself and name it in pipeline.engine_urls)"
+            )
+        sharded = self.ray.trainer_sharding == "fsdp" and self.launcher == "ray"
+        unshardable = self.ray.num_trainer_ranks < 2 or self.trainer.lora_rank or self.trainer.loss.kl_coef
+        if sharded and unshardable:
+            raise ValueError(
+                "ray.trainer_sharding=fsdp shards full-parameter training over ray.num_trainer_ranks >= 2 "
+                "ranks, without a KL penalty: set num_trainer_ranks, trainer.lora_rank=0 and "
+                "trainer.loss.kl_coef=0 (a LoRA adapter trains replicated: trainer_sharding=replicated)"
             )
         if self.launcher == "ray" and self.mode != "async":
             raise ValueError(

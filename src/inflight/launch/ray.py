@@ -274,8 +274,9 @@ class RunDriver:
 
 
 class TrainerRank:
-    """Data-parallel trainer rank k >= 1 on a bundle of its own: a `DataParallelTrainer` over the run's
-    warmed-up weights (sent by rank 0), stepping on every batch rank 0 steps on, over its share of it."""
+    """Data-parallel trainer rank k >= 1 on a bundle of its own: a `DataParallelTrainer` (or, with
+    ray.trainer_sharding=fsdp, a `ShardedDataParallelTrainer`) over the run's warmed-up weights (sent by rank
+    0), stepping on every batch rank 0 steps on, over its share of it."""
 
     def start(
         self, cfg: RunConfig, weights: dict[str, Any], rank: int, world_size: int, init_method: str
@@ -283,7 +284,7 @@ class TrainerRank:
         import torch
 
         from inflight.orchestrator.setup import load_policy, pad_id, run_trainer_config
-        from inflight.trainer.distributed import DataParallelTrainer, init_data_parallel
+        from inflight.trainer.distributed import init_data_parallel
 
         torch.set_num_threads(max(1, int(cfg.ray.trainer_cpus)))
         model, tokenizer = load_policy(cfg)
@@ -291,7 +292,7 @@ class TrainerRank:
         config = run_trainer_config(cfg.trainer, cfg.grpo.steps)
         timeout_s = cfg.ray.trainer_collective_timeout_s
         group = init_data_parallel(rank, world_size, init_method, config.device, timeout_s)
-        self.trainer = DataParallelTrainer(model, config, group, pad_id(tokenizer))
+        self.trainer = _rank_trainer(cfg, model, config, group, pad_id(tokenizer))
 
     def train_step(self, samples: list[Any]) -> int:
         self.trainer.train_step(samples)
@@ -304,21 +305,42 @@ class TrainerRank:
     def assert_in_sync(self) -> None:
         self.trainer.assert_replicas_in_sync()
 
+    def join_weights(self) -> None:
+        """This rank's side of rank 0's `weights()` under FSDP (the gathers of every shard)."""
+        self.trainer.weights()
+
+    def join_save(self, path: str) -> None:
+        """This rank's side of rank 0's `save_checkpoint` under FSDP (gathers, then the barrier)."""
+        self.trainer.save_checkpoint(path)
+
+
+def _rank_trainer(cfg: RunConfig, model: Any, config: Any, group: Any, pad: int) -> Any:
+    """One rank's trainer: a replica of the model (DataParallelTrainer), or its shards (FSDP2)."""
+    if cfg.ray.trainer_sharding == "fsdp":
+        from inflight.trainer.fsdp import ShardedDataParallelTrainer
+
+        return ShardedDataParallelTrainer(model, config, group, pad)
+    from inflight.trainer.distributed import DataParallelTrainer
+
+    return DataParallelTrainer(model, config, group, pad)
+
 
 class RankedTrainer:
     """Rank 0 of `ray.num_trainer_ranks` data-parallel ranks, in the run's actor: the trainer the run's loop
     drives (`StepTrainer`). A step goes to every rank at once (the others are `TrainerRank` actors, each
     training its share and summing gradients with the rest over torch.distributed); weights, adapters and
-    checkpoints are rank 0's, the replicas being equal. A rank that dies stops the run in one line that
-    says how to resume (from the last checkpoint, `checkpoint_every_steps`)."""
+    checkpoints are rank 0's, the replicas being equal, or under FSDP (ray.trainer_sharding=fsdp) gathered
+    from every rank's shards to rank 0, the other ranks joining each gather. A rank that dies stops the run
+    in one line that says how to resume (from the last checkpoint, `checkpoint_every_steps`)."""
 
     def __init__(self, cfg: RunConfig, model: Any, tokenizer: object, ranks: list[Any]) -> None:
         import ray
 
         from inflight.orchestrator.setup import pad_id, run_trainer_config
-        from inflight.trainer.distributed import DataParallelTrainer, init_data_parallel
+        from inflight.trainer.distributed import init_data_parallel
 
         self._ray, self._ranks, self._run_dir = ray, ranks, cfg.run_dir
+        self._sharded = cfg.ray.trainer_sharding == "fsdp"
         host, port = _free_port()
         init_method, world_size = f"tcp://{host}:{port}", len(ranks) + 1
         weights = ray.put({name: t.detach().cpu() for name, t in model.state_dict().items()})
@@ -330,7 +352,7 @@ class RankedTrainer:
         group = init_data_parallel(
             0, world_size, init_method, config.device, cfg.ray.trainer_collective_timeout_s
         )
-        self._local = DataParallelTrainer(model, config, group, pad_id(tokenizer))
+        self._local = _rank_trainer(cfg, model, config, group, pad_id(tokenizer))
         self._get(started)
         self.config = config
         self.version = self._local.version
@@ -340,10 +362,14 @@ class RankedTrainer:
         return self._with_others(others, lambda: self._local.train_step(samples))
 
     def weights(self) -> dict[str, Any]:
-        return self._local.weights()
+        if not self._sharded:
+            return self._local.weights()
+        # Sharded, the weights are gathered: every rank joins (rank 0, the writer, keeps them).
+        others = [rank.join_weights.remote() for rank in self._ranks]
+        return self._with_others(others, self._local.weights)
 
     def base_weights(self) -> dict[str, Any]:
-        return self._local.base_weights()
+        return self.weights() if self._sharded else self._local.base_weights()  # no LoRA when sharded
 
     def adapter_update(self) -> Any:
         return self._local.adapter_update()
@@ -353,7 +379,11 @@ class RankedTrainer:
         checkpoint then stands for every replica."""
         others = [rank.assert_in_sync.remote() for rank in self._ranks]
         self._with_others(others, self._local.assert_replicas_in_sync)
-        return self._local.save_checkpoint(path, extra)
+        if not self._sharded:
+            return self._local.save_checkpoint(path, extra)
+        # Sharded, the checkpoint's full tensors are gathered from every rank as rank 0 writes them.
+        others = [rank.join_save.remote(str(path)) for rank in self._ranks]
+        return self._with_others(others, lambda: self._local.save_checkpoint(path, extra))
 
     def resume_checkpoint(self, path: str | Path) -> dict[str, Any]:
         # Every rank reads it (the run directory is on storage every node can read, as the model is).
