@@ -164,14 +164,16 @@ def test_weights_go_by_the_filesystem_only_to_replicas_on_this_machine() -> None
 
 
 @pytest.mark.parametrize(
-    ("lora_rank", "transport"), [(0, "filesystem"), (8, "filesystem"), (0, "http"), (8, "http")]
+    ("lora_rank", "transport"),
+    [(0, "filesystem"), (8, "filesystem"), (0, "http"), (8, "http"), (0, "torch_dist"), (8, "torch_dist")],
 )
 def test_pipeline_with_an_engine_replica_over_http(
     tmp_path: Path, warmed, lora_rank: int, transport: str
 ) -> None:
-    """The engine in its own process (`inflight serve-engine`); weights reach it by the filesystem, or in
-    the request bodies (`pipeline.weight_transport=http`: no file is written). Under LoRA the replica gets
-    the warmed-up base once, then only the adapter, and samples with it."""
+    """The engine in its own process (`inflight serve-engine`); weights reach it by the filesystem, in the
+    request bodies (`pipeline.weight_transport=http`: no file is written), or broadcast over a
+    torch.distributed group (`torch_dist`: bucketed flat buffers over gloo, no file either). Under LoRA the
+    replica gets the warmed-up base once, then only the adapter, and samples with it."""
     _, model_dir = warmed
     port = free_port()
     server = subprocess.Popen(
@@ -200,6 +202,7 @@ def test_pipeline_with_an_engine_replica_over_http(
         parts = parts_for(cfg, warmed)
         history = train(parts, cfg, MetricsLogger(tmp_path), tmp_path)
         served = httpx.get(f"{url}/adapters", timeout=10).json()
+        received = httpx.get(f"{url}/metrics", timeout=10).json()["broadcast_updates_received"]
     finally:
         server.terminate()
         server.wait(30)
@@ -213,7 +216,13 @@ def test_pipeline_with_an_engine_replica_over_http(
     assert parity and max(parity) < 1e-3, parity  # the replica samples with the trainer's weights
     if lora_rank:
         assert served["adapters"] == {ADAPTER_NAME: parts.trainer.version}, served
-    if transport == "http":
+    if transport == "torch_dist":
+        sent = history[-1]["replicas/broadcast_updates"]
+        assert history[-1]["replicas/broadcast_fallbacks"] == 0 and sent == received
+        assert sent == 1 if lora_rank else sent >= 2  # under LoRA: the warmed-up base once
+    else:
+        assert received == 0
+    if transport != "filesystem":
         assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").rglob("*.safetensors"))
     elif lora_rank:
         assert weight_files == ["weights-00000000.safetensors"]  # the warmed-up base, once

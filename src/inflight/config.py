@@ -121,8 +121,10 @@ class PipelineConfig(_Config):
     engine_urls: list[str] = Field(default_factory=list)
     # How new weights reach the replicas: "filesystem" (safetensors in RUN_DIR/weights, the replica told the
     # path: needs a filesystem both see), "http" (the bytes in the request body: any network), or "auto"
-    # (filesystem when every replica is on this machine: loopback or one of its addresses; else http).
-    weight_transport: Literal["auto", "filesystem", "http"] = "auto"
+    # (filesystem when every replica is on this machine: loopback or one of its addresses; else http), or
+    # "torch_dist" (full weights broadcast in bucketed flat buffers over a torch.distributed group of the
+    # trainer and every replica, gloo; adapters go by http; on a failure, http from then on, counted).
+    weight_transport: Literal["auto", "filesystem", "http", "torch_dist"] = "auto"
     batch_timeout_s: float = 600.0  # the trainer's wait for a full batch
     torch_threads: int = 1  # per stage: the engine thread and the trainer (thread or process) each get a core
     # The trainer in a process of its own (trainer/process.py): its own GIL and core, the weights shared in

@@ -30,6 +30,8 @@ from inflight.inference.wire import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
+    JoinBroadcastRequest,
+    JoinBroadcastResponse,
     MetricsResponse,
     RemoveAdapterRequest,
     RemoveAdapterResponse,
@@ -209,6 +211,13 @@ class EngineClient:
             "POST", "/update_weights_raw", UpdateWeightsResponse, timeout_s, content=data, headers=headers
         )
 
+    async def join_weight_broadcast(self, body: JoinBroadcastRequest) -> JoinBroadcastResponse:
+        """Ask the server to join the trainer's torch.distributed weight broadcast (answers at once)."""
+        return await self._send(
+            "POST", "/weight_broadcast/join", JoinBroadcastResponse, self.config.health_timeout_s,
+            json=body.model_dump(),
+        )  # fmt: skip
+
     async def adapters(self) -> dict[str, int]:
         reply = await self._send("GET", "/adapters", AdaptersResponse, self.config.health_timeout_s)
         return reply.adapters
@@ -362,6 +371,42 @@ class BalancedClient:
     async def update_weights_raw(self, data: bytes, version: int) -> dict[str, int]:
         """As update_weights, with the safetensors bytes in the body (kept here for replicas that recover)."""
         return await self._update_weights(lambda c: c.update_weights_raw(data, version), version)
+
+    async def join_weight_broadcast(
+        self, host: str, port: int, bucket_mb: float, timeout_s: float
+    ) -> list[str]:
+        """Every replica joins the trainer's weight broadcast group at host:port as rank 1.. in order (the
+        trainer is rank 0); returns the replicas' URLs by rank. Every replica must be up: a group has a
+        fixed size."""
+        await self.start()
+        await self.check_health()
+        down = [r.client.url for r in self._replicas if not r.healthy]
+        if down:
+            raise NoReplicaAvailableError(
+                f"weight broadcast: replicas down ({', '.join(down)}); {self._describe()}"
+            )
+        world = len(self._replicas) + 1
+        await asyncio.gather(
+            *(
+                r.client.join_weight_broadcast(
+                    JoinBroadcastRequest(
+                        host=host,
+                        port=port,
+                        world_size=world,
+                        rank=k,
+                        bucket_mb=bucket_mb,
+                        timeout_s=timeout_s,
+                    )
+                )
+                for k, r in enumerate(self._replicas, 1)
+            )
+        )
+        return [r.client.url for r in self._replicas]
+
+    def weights_installed(self, version: int, install: Callable[[EngineClient], Awaitable[Any]]) -> None:
+        """Weights of `version` reached every replica by another way (the broadcast): `install` is what a
+        replica that comes back (or missed them) gets instead."""
+        self._weights = (version, install)
 
     async def set_adapter(self, name: str, path: str, version: int) -> dict[str, int]:
         """Register or replace adapter `name` (a PEFT directory every replica can read) on every healthy

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -54,6 +55,7 @@ from inflight.inference.openai_api import (
     completion_choice,
     error_body,
 )
+from inflight.inference.weight_broadcast import BroadcastListener
 from inflight.inference.wire import (
     VERSION_HEADER,
     AdaptersResponse,
@@ -62,6 +64,8 @@ from inflight.inference.wire import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
+    JoinBroadcastRequest,
+    JoinBroadcastResponse,
     MetricsResponse,
     RemoveAdapterRequest,
     RemoveAdapterResponse,
@@ -73,6 +77,9 @@ from inflight.inference.wire import (
 )
 from inflight.models.chat_template import end_of_turn, render, reply_stop_ids
 from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate, new_id
+from inflight.weight_sync.torch_dist import TorchDistSyncConfig
+
+log = logging.getLogger(__name__)
 
 
 class EngineServerConfig(BaseModel):
@@ -122,6 +129,7 @@ class _EngineService:
         # serves /adapters and /health alike; the lock keeps it and the engine's registry in step.
         self._adapters: dict[str, int] = {}
         self._adapter_lock = threading.Lock()
+        self.broadcast = BroadcastListener(self._install_broadcast)
         # Unless a request says ignore_eos, completions stop at the model's EOS ids (its generation
         # config's, else the tokenizer's EOS), and chat also at the token its template ends a turn with
         # (Llama 3's <|eot_id|>, ChatML's <|im_end|>). A tokenizer without a template gets ChatML, the
@@ -216,6 +224,14 @@ class _EngineService:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # -- weights -------------------------------------------------------------------------------------
+    def _install_broadcast(self, update: WeightUpdate) -> None:
+        """An update from the trainer's broadcast (the listener's thread): installed at the next step."""
+        if update.version < self.engine.version:
+            log.warning("weight broadcast: version %d is older than the engine's; skipped", update.version)
+            return
+        with self._update_lock:
+            self.loop.update_weights(update)
+
     async def install(self, update: WeightUpdate, load_s: float) -> UpdateWeightsResponse:
         """Copy off the step thread, then wait until a step has installed it (or a newer update)."""
         if update.version < self.engine.version:
@@ -328,6 +344,8 @@ class _EngineService:
             stale_kv_token_frac=m.stale_kv_token_frac,
             tokens_per_s=m.tokens_per_s,
             **asdict(self.counters),
+            broadcast_updates_received=self.broadcast.received,
+            broadcast_error=self.broadcast.error,
         )
 
 
@@ -373,6 +391,7 @@ def create_app(
         try:
             yield
         finally:
+            await asyncio.to_thread(service.broadcast.close)
             await asyncio.to_thread(service.loop.stop)
 
     app = FastAPI(title="inflight engine", lifespan=lifespan)
@@ -546,6 +565,20 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
             raise ValueError(f"the body is not a safetensors file: {exc}") from exc
         load_s = time.perf_counter() - start
         return await service.install(WeightUpdate(int(header), state_dict), load_s)
+
+    @app.post("/weight_broadcast/join")
+    async def join_weight_broadcast(body: JoinBroadcastRequest) -> JoinBroadcastResponse:
+        """Join the trainer's torch.distributed weight broadcast (answers at once; the group forms once
+        every rank joined). Each whole update received is installed like /update_weights'."""
+        config = TorchDistSyncConfig(
+            host=body.host,
+            port=body.port,
+            world_size=body.world_size,
+            bucket_mb=body.bucket_mb,
+            timeout_s=body.timeout_s,
+        )
+        await asyncio.to_thread(service.broadcast.join, config, body.rank)
+        return JoinBroadcastResponse(rank=body.rank, version=service.engine.version)
 
     @app.get("/adapters")
     async def adapters() -> AdaptersResponse:

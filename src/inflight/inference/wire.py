@@ -179,6 +179,24 @@ class UpdateWeightsRequest(BaseModel):
     version: int = Field(ge=0)  # optimizer steps that produced these weights
 
 
+class JoinBroadcastRequest(BaseModel):
+    """Join the trainer's torch.distributed weight broadcast as `rank` (`inference/weight_broadcast.py`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(min_length=1)  # where the trainer's TCP store listens
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)  # the trainer and every replica
+    rank: int = Field(ge=1)
+    bucket_mb: float = Field(default=256.0, gt=0)
+    timeout_s: float = Field(default=60.0, gt=0)  # joining, and each transfer's collectives
+
+
+class JoinBroadcastResponse(BaseModel):
+    rank: int
+    version: int  # the version live now; updates from the broadcast follow
+
+
 class UpdateWeightsResponse(BaseModel):
     """Sent once the engine generates with the update (or a newer one that superseded it)."""
 
@@ -275,6 +293,8 @@ class MetricsResponse(BaseModel):
     recent_updates: list[UpdateRecordWire]
     weight_load_s_total: float  # server: file reads and raw bodies, before the engine copy
     weight_load_s_last: float
+    broadcast_updates_received: int = 0  # whole updates from the trainer's torch.distributed broadcast
+    broadcast_error: str | None = None  # why the last broadcast membership ended, if it failed
     requests_total: int  # generation requests accepted (a completion with n=4 counts 4)
     requests_rejected: int  # 4xx answers
     requests_failed: int  # 5xx answers

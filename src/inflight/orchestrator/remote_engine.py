@@ -6,6 +6,12 @@ replica is told to install them (`/update_weights`), between two of its decode s
 the same way: a PEFT adapter directory written next to the weights, then `/set_adapter` on each replica.
 Without a filesystem the replicas share (`transport="http"`, `pipeline.weight_transport`), the same
 updates travel as safetensors bytes in the request bodies (`/update_weights_raw`, `/set_adapter_raw`).
+With `transport="torch_dist"` full weights are broadcast over a torch.distributed group of this process
+(rank 0) and every replica (`weight_sync/torch_dist.py`: bucketed flat buffers over gloo; the replicas
+join on `/weight_broadcast/join` before the first update) and the trainer waits until /health shows the
+version live everywhere; adapters go by http. A broadcast that fails (a replica died: the group has a fixed
+size) falls back to http for the rest of the run, counted (`replicas/broadcast_fallbacks`); a replica that
+comes back gets the last weights by http.
 The interface is the engine loop's: `version`, `generate`, `submit`, `update_weights`, plus `set_adapter`
 / `remove_adapter` and async start/close because the client lives on the pipeline's event loop.
 """
@@ -15,30 +21,39 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import logging
 import re
 import shutil
 import socket
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from inflight.inference.adapter_files import write_adapter_dir
-from inflight.inference.client import BalancedClient, weights_bytes
+from inflight.inference.client import BalancedClient, EngineClient, NoReplicaAvailableError, weights_bytes
 from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate
 from inflight.weight_sync.filesystem import FilesystemPublisher, FilesystemSyncConfig, weights_path
+from inflight.weight_sync.torch_dist import TorchDistPublisher, TorchDistSyncConfig
+
+log = logging.getLogger(__name__)
+BROADCAST_TIMEOUT_S = 60.0  # joining the broadcast group, and each publish's collectives
 
 T = TypeVar("T")
 ADAPTER_VERSIONS_KEPT = 2  # as the weights' keep_last: a replica still reading the previous one finds it
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
+Transport = Literal["filesystem", "http", "torch_dist"]
+
+
 def weight_transport(
-    choice: Literal["auto", "filesystem", "http"], urls: list[str]
-) -> Literal["filesystem", "http"]:
+    choice: Literal["auto", "filesystem", "http", "torch_dist"], urls: list[str]
+) -> Transport:
     """`pipeline.weight_transport` resolved for `urls`: "auto" is the filesystem when every replica is on
     this machine (it reads the files this process writes), else the request bodies."""
-    if choice == "filesystem" or choice == "http":
+    if choice != "auto":
         return choice
     local = all(_is_this_machine(urlsplit(url).hostname or "") for url in urls)
     return "filesystem" if local else "http"
@@ -57,6 +72,18 @@ def _is_this_machine(host: str) -> bool:
     return True
 
 
+def _address_toward(url: str) -> str:
+    """This machine's address as the replica at `url` reaches it: loopback for a replica on loopback, else
+    the address of the interface that routes to it."""
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    if host in LOOPBACK_HOSTS:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, parts.port or 80))  # UDP: no packet is sent, the route is chosen
+        return str(sock.getsockname()[0])
+
+
 def adapter_path(root: Path, name: str, version: int) -> Path:
     """Where version `version` of adapter `name` is written: one directory per adapter, whatever characters
     its name holds (the hash keeps two names that sanitise alike apart)."""
@@ -72,7 +99,7 @@ class RemoteEngines:
         weights_dir: Path,
         update_timeout_s: float = 600.0,
         policy_adapter: str | None = None,
-        transport: Literal["filesystem", "http"] = "filesystem",
+        transport: Transport = "filesystem",
     ) -> None:
         """`policy_adapter`: LoRA RL; every request samples with that adapter, and `version` is its version
         (the policy's), not the base weights'. `transport`: how updates reach the replicas (files in
@@ -88,6 +115,8 @@ class RemoteEngines:
         self._version = -1  # installed on every live replica (update_weights answers once it is live)
         self.adapter_versions: dict[str, int] = {}  # served by every live replica
         self.busy_s = self.idle_s = 0.0  # measured on the replicas, not here
+        self._broadcaster: TorchDistPublisher | None = None  # transport "torch_dist", once joined
+        self.broadcast_updates = self.broadcast_fallbacks = 0
 
     @property
     def version(self) -> int:
@@ -102,6 +131,9 @@ class RemoteEngines:
         await self._client.start()
 
     async def aclose(self) -> None:
+        if self._broadcaster is not None:  # tells the replicas to leave the group
+            await asyncio.to_thread(self._broadcaster.close)
+            self._broadcaster = None
         if self._client is not None:
             await self._client.aclose()
 
@@ -120,6 +152,9 @@ class RemoteEngines:
         """From the trainer thread: write the file (or send the bytes), then wait until every live replica
         generates with it."""
         assert self._client is not None, "RemoteEngines.astart() first"
+        if self.transport == "torch_dist" and self._broadcast(update):
+            self._version = update.version
+            return
         if self.transport == "http":
             self._wait(self._client.update_weights_raw(weights_bytes(update.state_dict), update.version))
         else:
@@ -132,7 +167,7 @@ class RemoteEngines:
         """From the trainer thread: write the adapter as a PEFT directory, then wait until every live replica
         has it (a replacement reaches the requests running on it between two decode steps)."""
         assert self._client is not None, "RemoteEngines.astart() first"
-        if self.transport == "http":
+        if self.transport != "filesystem":  # http, and torch_dist, which broadcasts full weights only
             self._wait(self._client.set_adapter_raw(update))
             self.adapter_versions[update.name] = update.version
             return
@@ -154,7 +189,62 @@ class RemoteEngines:
         if self._client is None:
             return {}
         m = self._client.metrics()
-        return {f"replicas/{k}": float(v) for k, v in vars(m).items() if isinstance(v, int | float)}
+        out = {f"replicas/{k}": float(v) for k, v in vars(m).items() if isinstance(v, int | float)}
+        if self.transport == "torch_dist" or self.broadcast_fallbacks:
+            out["replicas/broadcast_updates"] = float(self.broadcast_updates)
+            out["replicas/broadcast_fallbacks"] = float(self.broadcast_fallbacks)
+        return out
+
+    def _broadcast(self, update: WeightUpdate) -> bool:
+        """From the trainer thread: the weights over the broadcast group (joined on first use), then wait
+        until every replica generates with them. False after a failure, the transport then http."""
+        assert self._client is not None
+        client = self._client
+        cpu = {name: t.detach().cpu() for name, t in update.state_dict.items()}
+        try:
+            if self._broadcaster is None:
+                self._broadcaster = self._join_broadcast()
+            self._broadcaster.publish(cpu, update.version)
+            self._wait(self._until_live(update.version))
+        except (RuntimeError, TimeoutError, NoReplicaAvailableError) as exc:
+            log.warning("weight broadcast of version %d failed (%s); weights go by http from now on",
+                        update.version, exc)  # fmt: skip
+            self.broadcast_fallbacks += 1
+            self.transport = "http"
+            broadcaster, self._broadcaster = self._broadcaster, None
+            if broadcaster is not None:
+                broadcaster.close()
+            return False
+
+        def install(replica: EngineClient) -> Any:  # for a replica that comes back
+            return replica.update_weights_raw(weights_bytes(cpu), update.version)
+
+        client.weights_installed(update.version, install)
+        self.broadcast_updates += 1
+        return True
+
+    def _join_broadcast(self) -> TorchDistPublisher:
+        assert self._client is not None
+        host = _address_toward(self.urls[0])
+        with socket.socket() as sock:  # a free port for the group's store, released for it to take
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        self._wait(self._client.join_weight_broadcast(host, port, 256.0, BROADCAST_TIMEOUT_S))
+        config = TorchDistSyncConfig(
+            host=host, port=port, world_size=len(self.urls) + 1, timeout_s=BROADCAST_TIMEOUT_S
+        )
+        return TorchDistPublisher(config)  # returns once every replica joined
+
+    async def _until_live(self, version: int) -> None:
+        assert self._client is not None
+        deadline = time.monotonic() + self._update_timeout_s
+        while True:
+            live = await self._client.versions()
+            if all(v is not None and v >= version for v in live.values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weights of version {version} were broadcast but not live on: {live}")
+            await asyncio.sleep(0.005)
 
     def _wait(self, call: Coroutine[Any, Any, T]) -> T:
         assert self._loop is not None, "RemoteEngines.astart() first"

@@ -207,6 +207,11 @@ class TorchDistReceiver(WeightReceiver):
     def latest_version(self) -> int:
         return self._version
 
+    @property
+    def stopped(self) -> bool:
+        """The background thread has ended: the publisher closed the group, or a transfer failed."""
+        return self._stopped
+
     def poll(self) -> WeightUpdate | None:
         with self._changed:
             return self._take()
