@@ -294,6 +294,54 @@ def test_fsdp_on_ray_refuses_what_it_cannot_shard(tiny_model_dir: Path) -> None:
             apply_overrides(cfg, [*sharded, *extra])
 
 
+def test_serve_places_its_sampling_engine_on_ray(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`inflight serve --launcher ray`: the base model's sampling engine is an actor on the cluster, the API
+    and training stay here. Driven by the tinker SDK: an adapter trained here, then sampled and scored on
+    the actor, equal to the trainer's logprobs (float32)."""
+    import tinker
+
+    from conftest import sdk_server
+    from inflight.api.service import ServiceConfig
+    from inflight.config import RayConfig
+
+    types = tinker.types
+    config = ServiceConfig(
+        base_models={"tiny": str(tiny_model_dir)},
+        state_dir=tmp_path / "serve",
+        dtype="float32",
+        launcher="ray",
+        ray=RayConfig(engine_cpus=0.5),
+    )
+    tokens = [5, 17, 3, 42, 8, 99, 23, 7, 61, 12, 4, 30]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    with sdk_server(config) as server:
+        engines = [n for n in ray_cluster.util.list_named_actors() if n.endswith(":engine-tiny")]
+        assert len(engines) == 1, ray_cluster.util.list_named_actors()
+        service = tinker.ServiceClient(base_url=server.url)
+        training = service.create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+        for _ in range(2):
+            training.forward_backward([datum], "cross_entropy")
+            training.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        on_ray = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+        output = training.forward([datum], "cross_entropy").result()
+        trained = output.loss_fn_outputs[0]["logprobs"].tolist()
+        sampled = sampler.sample(
+            types.ModelInput.from_ints(tokens[:4]), 2, types.SamplingParams(max_tokens=6, seed=3)
+        ).result()
+        service.close("success").result()
+    assert on_ray[0] is None and max(abs(a - b) for a, b in zip(on_ray[1:], trained, strict=True)) < 1e-4
+    for sequence in sampled.sequences:  # no stop given: Tinker's EOS stop, else max_tokens
+        assert 1 <= len(sequence.tokens) <= 6 and len(sequence.logprobs or []) == len(sequence.tokens)
+    assert not [n for n in ray_cluster.util.list_named_actors() if n.endswith(":engine-tiny")]
+    wait_until_released(ray_cluster)
+
+
 def test_placement_bundles_follow_the_devices() -> None:
     cfg = resolve_target("blackjack").config()
     cpu = apply_overrides(cfg, ["ray.num_engine_replicas=2", "ray.engine_cpus=2"])

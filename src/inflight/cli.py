@@ -100,6 +100,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         shutdown_grace_s=args.shutdown_grace_s,
         engine=args.engine,
+        launcher=args.launcher,
+        ray_address=args.ray_address,
     )
     return 0
 
@@ -240,6 +242,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(vLLM's CPU build, in the environment `python -m inflight.launch.vllm_env` builds on first use: "
         "~3.5 GB, minutes); training stays in this process. vLLM cannot adapt every model's LM head: "
         "there, LoRA clients must pass train_unembed=False",
+    )
+    serve.add_argument(
+        "--launcher",
+        choices=["local", "ray"],
+        default="local",
+        help="local: sampling in this process; ray: each base model's sampling engine an actor on a Ray "
+        "cluster (GPU bundles when --device is cuda; needs `pip install 'inflight[ray]'`), reached over "
+        "HTTP; the API and training stay in this process",
+    )
+    serve.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --launcher ray: the cluster's head (unset: a private local Ray; auto: the cluster this "
+        "machine joined)",
     )
     serve.set_defaults(func=_cmd_serve)
 

@@ -46,6 +46,7 @@ from inflight.api.metrics import ServiceMetrics
 from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, ServiceConfig, ServiceState
 from inflight.api.shutdown import GracefulServer, RefuseNewWorkMiddleware, ServiceShutdown
 from inflight.api.worker import EngineWorker, WorkerConfig
+from inflight.config import RayConfig
 from inflight.errors import UserError
 from inflight.preflight import bind_port, check_database, check_model_dir, ensure_dir, serve_on
 from inflight.types import DtypeName
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 
     from inflight.api.compute import ServiceCompute
     from inflight.api.sampler import Sampler
-    from inflight.launch.engine_process import EngineProcess
 
 log = logging.getLogger(__name__)
 _CONNECTIONS_CLOSE_S = 10  # uvicorn's wait for open connections once the drain is over
@@ -94,8 +94,7 @@ def create_app(
             await asyncio.to_thread(shutdown.drain, "the app's lifespan ended")
             worker.stop()
             sampler.stop()  # after the worker: nothing submits any more
-            for engine in engines:  # the vLLM processes, after the sampler that talked to them
-                engine.close()
+            engines.close()  # vLLM processes or Ray actors, after the sampler that talked to them
             state.db.close()
 
     app = FastAPI(title="inflight: Tinker-compatible service", lifespan=lifespan)
@@ -123,15 +122,17 @@ def _start(
     compute: ServiceCompute | None,
     worker_config: WorkerConfig | None,
     metrics: ServiceMetrics,
-) -> tuple[ServiceState, EngineWorker, Sampler, list[EngineProcess]]:
+) -> tuple[ServiceState, EngineWorker, Sampler, contextlib.ExitStack]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
     if compute is None:
         compute = load_compute(config)
     from inflight.api.sampler import build_sampler  # torch: imported when the service starts
 
-    engines: list[EngineProcess] = []
+    engines = contextlib.ExitStack()  # what samples outside this process, released at shutdown
     if config.engine == "vllm":
         sampler = _vllm_sampler(config, compute, engines)
+    elif config.launcher == "ray":
+        sampler = _ray_sampler(config, compute, engines)
     else:
         sampler = build_sampler(compute.sampling_engines())
     base_models = {name: _base_model_info(compute, name) for name in compute.base_model_names()}
@@ -170,10 +171,10 @@ def _start(
     return state, worker, sampler, engines
 
 
-def _vllm_sampler(config: ServiceConfig, compute: ServiceCompute, engines: list[EngineProcess]) -> Sampler:
-    """Per base model a `serve-engine --backend vllm` process (appended to `engines` as it starts, so the
-    caller stops what started when a later one fails), reporting the raw logprobs Tinker's wire carries,
-    and the sampler over them; each base model's adapters limited to the modules vLLM can adapt."""
+def _vllm_sampler(config: ServiceConfig, compute: ServiceCompute, engines: contextlib.ExitStack) -> Sampler:
+    """Per base model a `serve-engine --backend vllm` process (on `engines` as it starts: closing it stops
+    them), reporting the raw logprobs Tinker's wire carries, and the sampler over them; each base model's
+    adapters limited to the modules vLLM can adapt."""
     import httpx
 
     from inflight.api.sampler import Sampler
@@ -193,17 +194,36 @@ def _vllm_sampler(config: ServiceConfig, compute: ServiceCompute, engines: list[
                 max_lora_rank=_vllm_rank(config.max_lora_rank),
                 max_logprobs=config.max_topk_logprobs,
             )
-            engines.append(engine)
+            engines.callback(engine.close)
             log.info("base model %r: starting its vLLM engine", name)
             engine.start()
             health = httpx.get(f"{engine.url}/health", timeout=30).json()
             compute.sample_only_on(name, health["lora_modules"])
             loops[name] = HttpEngine([engine.url])
     except BaseException:
-        for engine in engines:
-            engine.close()
+        engines.close()
         raise
     return Sampler(loops, limits)
+
+
+def _ray_sampler(config: ServiceConfig, compute: ServiceCompute, engines: contextlib.ExitStack) -> Sampler:
+    """The built-in sampling engines as actors on Ray (`launch/ray.py`'s engines_on_ray, held open by
+    `engines`), one per base model, and the sampler over them."""
+    from inflight.api.sampler import Sampler
+    from inflight.inference.http_engine import HttpEngine
+    from inflight.launch.ray import engines_on_ray
+
+    placed = {
+        name: (str(compute.model_info(name)["source"]), compute.sampling_config(name))
+        for name in compute.base_model_names()
+    }
+    try:
+        urls = engines.enter_context(engines_on_ray(placed, config.ray, str(config.state_dir / "weights")))
+        loops = {name: HttpEngine([url]) for name, url in urls.items()}
+    except BaseException:
+        engines.close()
+        raise
+    return Sampler(loops, compute.sampling_limits())
 
 
 def _vllm_rank(max_rank: int) -> int:
@@ -252,6 +272,8 @@ def serve(
     device: str = "auto",
     shutdown_grace_s: float = 20.0,
     engine: Literal["builtin", "vllm"] = "builtin",
+    launcher: Literal["local", "ray"] = "local",
+    ray_address: str | None = None,
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
@@ -275,7 +297,14 @@ def serve(
         device=device,
         shutdown_grace_s=shutdown_grace_s,
         engine=engine,
+        launcher=launcher,
+        ray=RayConfig(address=ray_address),
     )
+    if engine == "vllm" and launcher == "ray":
+        raise UserError(
+            "--engine vllm with --launcher ray is not built: vLLM runs in processes beside the service "
+            "(--launcher local), or use the built-in engine on Ray"
+        )
     from inflight.models.device import resolve_device
 
     resolve_device(device, "--device")  # a device this machine lacks: one line, before anything loads
@@ -316,12 +345,11 @@ def load_compute(config: ServiceConfig) -> ServiceCompute:
     """The base models of `config`, loaded (torch + transformers are imported here, not at import time)."""
     from inflight.api.compute import ServiceCompute, ServiceComputeConfig
 
+    in_process = config.engine == "builtin" and config.launcher == "local"
     return ServiceCompute(
         config.base_models,
         max_rank=config.max_lora_rank,
-        config=ServiceComputeConfig(
-            dtype=config.dtype, device=config.device, sampling_engine=config.engine == "builtin"
-        ),
+        config=ServiceComputeConfig(dtype=config.dtype, device=config.device, sampling_engine=in_process),
     )
 
 

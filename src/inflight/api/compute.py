@@ -276,6 +276,11 @@ class ServiceCompute:
             for name, base in self._bases.items()
         }
 
+    def sampling_config(self, base_model: str) -> BuiltinEngineConfig:
+        """The built-in engine configuration this base model samples with (also for one placed elsewhere)."""
+        base = self._base(base_model)
+        return self._sampling_config(base.name, base.config, base.max_context)
+
     def sample_only_on(self, base_model: str, modules: Sequence[str]) -> None:
         """Adapters of `base_model` may adapt only these modules (last name part): the LoRA layers the engine
         that samples them can adapt (vLLM's); an adapter asking for another is refused when created."""

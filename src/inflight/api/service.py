@@ -24,6 +24,7 @@ from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SessionRow
 from inflight.api.futures import Future, FutureStore, RequestType
 from inflight.api.jobs import BaseModelLimits
+from inflight.config import RayConfig
 from inflight.errors import UserError
 from inflight.types import DtypeName
 
@@ -46,6 +47,11 @@ class ServiceConfig(BaseModel):
     # Who samples: the built-in engine in this process, or per base model an `inflight serve-engine
     # --backend vllm` process this service starts (vLLM's CPU build; `launch/vllm_env.py`), reached over HTTP.
     engine: Literal["builtin", "vllm"] = "builtin"
+    # local: the sampling engines in this process (or, with vLLM, processes beside it); ray: the built-in
+    # engines as actors on a Ray cluster (`launch/ray.py`'s engines_on_ray, placed as `ray` says), reached
+    # over HTTP. The API and the training stay in this process either way.
+    launcher: Literal["local", "ray"] = "local"
+    ray: RayConfig = Field(default_factory=RayConfig)
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
     max_num_samples: int = Field(default=256, ge=1)  # per sample request
     # per prompt position: a [prompt, k] table is built and sent back (vLLM's default cap is 20)

@@ -13,14 +13,17 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from inflight.config import RayConfig, RunConfig
+from inflight.config import EngineConfig, ModelConfig, RayConfig, RunConfig
 from inflight.errors import UserError, describe
+
+if TYPE_CHECKING:
+    from inflight.inference.builtin import BuiltinEngineConfig
 
 T = TypeVar("T")
 RAY_MISSING = "launcher=ray needs Ray: pip install 'inflight[ray]'"
@@ -95,6 +98,70 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
+
+
+@contextmanager
+def engines_on_ray(
+    engines: Mapping[str, tuple[str, BuiltinEngineConfig]], ray_config: RayConfig, weights_dir: str
+) -> Iterator[dict[str, str]]:
+    """`inflight serve --launcher ray`: the service's sampling engines placed on a Ray cluster, one
+    `EngineReplica` actor per base model (name -> (model directory, engine config)) on a bundle of its own
+    ({CPU: ray.engine_cpus} + ray.engine_gpus GPU when the engine's device is cuda) in one placement group
+    (ray.strategy); yields name -> URL once every engine serves, and releases actors and group on exit.
+    The service itself (its API and its training) stays in the calling process and reaches them over HTTP."""
+    ray = _import_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    with _cluster(ray, ray_config):
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        shape = [
+            {"CPU": ray_config.engine_cpus}
+            | ({"GPU": ray_config.engine_gpus} if _on_gpu(config.device, has_gpus) else {})
+            for _, config in engines.values()
+        ]
+        group = placement_group(shape, strategy=ray_config.strategy)
+        actors: list[Any] = []
+        try:
+            try:
+                ray.get(group.ready(), timeout=ray_config.placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise UserError(
+                    f"serve --launcher ray: the cluster could not hold {shape} within "
+                    f"{ray_config.placement_timeout_s:g} s; it has {ray.available_resources()} free"
+                ) from None
+            replica_cls = ray.remote(EngineReplica)
+            for i, (name, (path, config)) in enumerate(engines.items()):
+                on_bundle = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+                host, port = ray.get(
+                    ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on_bundle).remote()
+                )
+                gpus = shape[i].get("GPU", 0.0)
+                run_cfg = RunConfig(model=ModelConfig(path=path), ray=ray_config)
+                run_cfg.engine = EngineConfig.model_validate(config.model_dump())
+                actors.append(
+                    replica_cls.options(
+                        name=f"serve-{os.getpid()}:engine-{name}",  # ray.get_actor finds it
+                        num_cpus=shape[i]["CPU"],
+                        num_gpus=gpus,
+                        max_restarts=ray_config.max_replica_restarts,
+                        scheduling_strategy=on_bundle,
+                    ).remote(_for_actor(run_cfg, gpus), host, port, weights_dir)
+                )
+            try:
+                infos = ray.get([a.info.remote() for a in actors], timeout=ray_config.replica_start_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise UserError(
+                    f"serve --launcher ray: the engines did not start within "
+                    f"{ray_config.replica_start_timeout_s:g} s"
+                ) from None
+            for name, info in zip(engines, infos, strict=True):
+                print(f"inflight: ray: base model {name!r} samples on {info.url}", file=sys.stderr)
+            yield {name: info.url for name, info in zip(engines, infos, strict=True)}
+        finally:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(group)
 
 
 def bundles(cfg: RunConfig, cluster_has_gpus: bool) -> list[dict[str, float]]:
