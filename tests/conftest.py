@@ -43,6 +43,22 @@ def sdk_server(config: ServiceConfig, **app_options: Any) -> Iterator[Background
             yield running
 
 
+def require_vllm_env() -> None:
+    """The vLLM environment (`launch/vllm_env.py`), built on first use and cached: a test that needs it
+    fails under CI when it cannot be built (CI must run it) and is skipped elsewhere (say, no network).
+    Import it from a test module: `from conftest import require_vllm_env`."""
+    import os
+
+    from inflight.launch.vllm_env import VllmEnvError, vllm_python
+
+    try:
+        vllm_python()
+    except VllmEnvError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the vLLM environment must build in CI: {exc}")
+        pytest.skip(f"the vLLM environment cannot be built here: {exc}")
+
+
 @pytest.fixture
 def busy_port() -> Iterator[int]:
     """A loopback port something already listens on (for the port-in-use errors)."""

@@ -12,7 +12,6 @@ sampling temperature). Two families: Qwen2, whose LM head vLLM's LoRA cannot ada
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +20,9 @@ import tinker
 import torch
 import transformers
 
-from conftest import sdk_server
+from conftest import require_vllm_env, sdk_server
 from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig
-from inflight.launch.vllm_env import VllmEnvError, vllm_python
 
 pytestmark = pytest.mark.slow
 types = tinker.types
@@ -52,12 +50,7 @@ def qwen3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def server(
     tiny_model_dir: Path, qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BackgroundServer]:
-    try:
-        vllm_python()
-    except VllmEnvError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"the vLLM environment must build in CI: {exc}")
-        pytest.skip(f"the vLLM environment cannot be built here: {exc}")
+    require_vllm_env()
     config = ServiceConfig(
         base_models={"qwen2": str(tiny_model_dir), "qwen3": str(qwen3_dir)},
         state_dir=tmp_path_factory.mktemp("serve"),

@@ -11,12 +11,11 @@ themselves belong in docs/benchmarks.md, measured alone, not here.
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 
 import pytest
 
-from inflight.launch.vllm_env import VllmEnvError, vllm_python
+from conftest import require_vllm_env
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,12 +28,7 @@ BUILTIN_KEYS = [
 
 
 def test_vllm_runs_the_same_requests(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    try:
-        vllm_python()
-    except VllmEnvError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"the vLLM environment must build in CI: {exc}")
-        pytest.skip(f"the vLLM environment cannot be built here: {exc}")
+    require_vllm_env()
     monkeypatch.syspath_prepend(str(REPO_ROOT))  # benchmarks/ lives beside src/, as `inflight bench` finds it
     bench = importlib.import_module("benchmarks.engine")
     tiny = ["--repeats", "1", "--batch-size", "2", "--new-tokens", "2", "--prompt-tokens", "4"]

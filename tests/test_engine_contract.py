@@ -24,11 +24,11 @@ import pytest
 import torch
 import transformers
 
+from conftest import require_vllm_env
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig, Engine, SteppedEngine
 from inflight.inference.http_engine import HttpEngine
 from inflight.inference.server import ServerThread, create_app
 from inflight.launch.engine_process import EngineProcess
-from inflight.launch.vllm_env import VllmEnvError, vllm_python
 from inflight.models.lora_adapter import peft_key
 from inflight.types import AdapterUpdate, Completion, SampleRequest, SamplingParams, WeightUpdate
 
@@ -102,12 +102,7 @@ class VllmServers:
             engine.remove_adapter(name)
 
     def _start(self, model: transformers.PreTrainedModel, batch: int, seq_len: int) -> EngineProcess:
-        try:
-            vllm_python()
-        except VllmEnvError as exc:
-            if os.environ.get("CI"):
-                pytest.fail(f"the vLLM environment must build in CI: {exc}")
-            pytest.skip(f"the vLLM environment cannot be built here: {exc}")
+        require_vllm_env()
         directory = tempfile.TemporaryDirectory(prefix="inflight-vllm-model-")
         self._dirs.append(directory)
         model.save_pretrained(directory.name)

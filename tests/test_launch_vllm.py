@@ -8,26 +8,20 @@ update reached vLLM exactly and took effect before the next step's tokens.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import require_vllm_env
 from inflight.cli import main
-from inflight.launch.vllm_env import VllmEnvError, vllm_python
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_env() -> None:
-    try:
-        vllm_python()
-    except VllmEnvError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"the vLLM environment must build in CI: {exc}")
-        pytest.skip(f"the vLLM environment cannot be built here: {exc}")
+    require_vllm_env()
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
