@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import require_vllm_env
 from inflight.cli import main
@@ -69,3 +70,25 @@ def test_vllm_backend_refuses_what_it_cannot_serve_in_one_line(
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "run").exists()
+
+
+def test_more_prompt_tokens_than_one_steps_budget_with_seeds(tiny_model_dir: Path) -> None:
+    """48 seeded prompts of 100 tokens (4,800 prompt tokens against a step budget of 2,048): vLLM schedules
+    whole prompts over several steps. Split prompts made vLLM rewind a CPU generator, which failed the
+    engine ("CPU Generator does not use offset") in a BlackJack run of the default preset. Each completion
+    equals the same request's alone, whatever else shared its steps."""
+    from inflight.inference.http_engine import HttpEngine
+    from inflight.launch.engine_process import EngineProcess
+    from inflight.types import SampleRequest, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 2000, (100,), generator=g).tolist() for _ in range(48)]
+    requests = [SampleRequest(p, SamplingParams(max_tokens=4, seed=i)) for i, p in enumerate(prompts)]
+    with (
+        EngineProcess(tiny_model_dir, max_batch_size=64, max_seq_len_tokens=128) as server,
+        HttpEngine([server.url]) as engine,
+    ):
+        together = engine.generate(requests)
+        alone = [engine.generate([r])[0] for r in requests[:3]]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 4 for c in together)
+    assert [c.token_ids for c in alone] == [c.token_ids for c in together[:3]]

@@ -170,6 +170,11 @@ class VllmEngine:
             max_model_len=c.max_seq_len_tokens,
             max_num_seqs=c.max_batch_size,
             max_num_batched_tokens=max(c.max_seq_len_tokens, 2048),
+            # Whole prompts only: a prompt split across steps samples a token that vLLM discards and then
+            # rewinds the request's seeded generator (`set_offset`), which a CPU generator cannot do
+            # ("CPU Generator does not use offset": a step with more prompt tokens than the budget and a
+            # seeded request failed the engine). One prompt always fits: the budget >= max_model_len.
+            enable_chunked_prefill=False,
             enforce_eager=True,
             # A cached prefix computed under older weights would outlive a weight update.
             enable_prefix_caching=False,
