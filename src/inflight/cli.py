@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the asynchronous pipeline by default (mode=async); mode=sync runs the on-policy reference loop. "
         "launcher=ray places its engine replicas and trainer on a Ray cluster (ray.address, "
         "ray.num_engine_replicas; needs `pip install 'inflight[ray]'`). "
+        "engine.backend=vllm samples from vLLM (its CPU build, in an environment built on first use) in a "
+        "process beside the run. "
         "A run directory with a checkpoint is resumed. Prints one JSON summary line at the end. Writing a "
         "task: docs/bring-your-own-task.md.",
     )
