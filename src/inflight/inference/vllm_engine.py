@@ -49,6 +49,7 @@ from inflight.errors import UserError
 from inflight.inference.adapter_files import write_adapter_dir
 from inflight.inference.adapters import ModuleShapes, parse_adapter
 from inflight.inference.builtin import EngineMetrics, UpdateRecord
+from inflight.models.lora_adapter import peft_key
 from inflight.types import AdapterUpdate, Completion, FinishReason, SampleRequest, WeightUpdate
 
 _ZERO_LORA = "inflight-base-rows"  # see VllmEngine's docstring
@@ -142,7 +143,7 @@ class VllmEngine:
         self._running: dict[str, _Running] = {}
         self._in_flight: set[str] = set()
         self._adapters: dict[str, _Adapter] = {}  # registered names
-        self._lora_versions: dict[int, int] = {}  # LoRA id -> installed version (removed ones too)
+        self._lora_versions: dict[int, int] = {}  # LoRA id -> installed version (removed ones until unloaded)
         self._staged: dict[str, tuple[int, Path, int]] = {}  # name -> (LoRA id, staged dir, version)
         self._retired: dict[int, Path] = {}  # removed ids -> directory, unloaded once no request runs on them
         self._next_lora_id = 1
@@ -164,6 +165,10 @@ class VllmEngine:
             ) from None
 
         c = self.config
+        from vllm.platforms import current_platform
+
+        # Base rows run on an all-zero adapter where vLLM's LoRA kernels misread slot -1 (the docstring).
+        self._zero_base_rows = bool(current_platform.is_cpu())
         args = EngineArgs(
             model=str(self._model_dir),
             dtype=c.dtype,
@@ -182,7 +187,7 @@ class VllmEngine:
             logprobs_mode="processed_logprobs" if c.logprobs_kind == "sampled" else "raw_logprobs",
             max_logprobs=c.max_prompt_logprobs,
             enable_lora=c.max_loras > 0,
-            max_loras=max(c.max_loras, 1) + (1 if self._cpu_platform() else 0),  # + the zero adapter
+            max_loras=max(c.max_loras, 1) + (1 if self._zero_base_rows else 0),  # + the zero adapter
             max_lora_rank=c.max_lora_rank,
             seed=0,
         )
@@ -199,12 +204,6 @@ class VllmEngine:
 
     def lora_modules(self) -> list[str]:
         return list(self._lora_targets)
-
-    @staticmethod
-    def _cpu_platform() -> bool:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
 
     # -- the Engine protocol -------------------------------------------------------------------------
     @property
@@ -297,7 +296,7 @@ class VllmEngine:
         parse_adapter(update, self._lora_shapes)  # ValueError naming the module at fault
         from vllm.lora.request import LoRARequest
 
-        if self._cpu_platform():
+        if self._zero_base_rows:
             self._ensure_zero_lora()
         with self._lock:
             current = self._adapters.get(update.name)
@@ -453,8 +452,8 @@ class VllmEngine:
 
         module, (fan_in, fan_out) = next(iter(sorted(self._lora_shapes.items())))
         tensors = {
-            f"base_model.model.{module}.lora_A.weight": torch.zeros(1, fan_in),
-            f"base_model.model.{module}.lora_B.weight": torch.zeros(fan_out, 1),
+            peft_key(module, "A"): torch.zeros(1, fan_in),
+            peft_key(module, "B"): torch.zeros(fan_out, 1),
         }
         path = self._scratch / "zero-adapter"
         write_adapter_dir(path, AdapterUpdate(name=_ZERO_LORA, version=0, rank=1, scale=1.0, tensors=tensors))
@@ -536,6 +535,8 @@ class VllmEngine:
     def _unload_retired(self) -> None:
         """Removed adapters that no running request uses any more leave vLLM's cache and the disk."""
         with self._lock:
+            if not self._retired:  # every step: nothing to scan in the usual case
+                return
             in_use = {r.lora_id for r in self._running.values()} | {
                 self._adapters[r.adapter].lora.lora_int_id
                 for r, _ in self._waiting
@@ -543,6 +544,8 @@ class VllmEngine:
             }
             done = [i for i in self._retired if i not in in_use]
             paths = [self._retired.pop(i) for i in done]
+            for lora_id in done:  # no token will be stamped with it any more
+                del self._lora_versions[lora_id]
         for lora_id, path in zip(done, paths, strict=True):
             self._engine.remove_lora(lora_id)
             shutil.rmtree(path, ignore_errors=True)
