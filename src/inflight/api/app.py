@@ -128,51 +128,54 @@ def _start(
         compute = load_compute(config)
     from inflight.api.sampler import build_sampler  # torch: imported when the service starts
 
-    engines = contextlib.ExitStack()  # what samples outside this process, released at shutdown
-    if config.engine == "vllm":
-        sampler = _vllm_sampler(config, compute, engines)
-    elif config.launcher == "ray":
-        sampler = _ray_sampler(config, compute, engines)
-    else:
-        sampler = build_sampler(compute.sampling_engines())
-    base_models = {name: _base_model_info(compute, name) for name in compute.base_model_names()}
-    db = Database(config.database_url)
-    checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
-    board = CompletionBoard()
-    worker_config = worker_config or WorkerConfig(
-        default_max_tokens=config.default_max_tokens,
-        max_num_samples=config.max_num_samples,
-        max_topk_logprobs=config.max_topk_logprobs,
-    )
-    worker = EngineWorker(
-        compute,
-        sampler,
-        db,
-        checkpoints,
-        limits={name: info.limits for name, info in base_models.items()},
-        on_finished=board.notify,
-        config=worker_config,
-        metrics=metrics,
-    )
-    state = ServiceState(
-        config=config,
-        db=db,
-        store=FutureStore(db),
-        checkpoints=checkpoints,
-        base_models=base_models,
-        board=board,
-        wake_worker=worker.wake,
-        counters=worker.stats,
-        archive_signer=ArchiveSigner(),
-        cancel_sample=worker.cancel_sample,
-    )
-    sampler.start()
-    worker.start()
+    # What samples outside this process (vLLM processes, Ray actors): released at shutdown, or here at once
+    # when starting fails after they started.
+    with contextlib.ExitStack() as starting:
+        if config.engine == "vllm":
+            sampler = _vllm_sampler(config, compute, starting)
+        elif config.launcher == "ray":
+            sampler = _ray_sampler(config, compute, starting)
+        else:
+            sampler = build_sampler(compute.sampling_engines())
+        base_models = {name: _base_model_info(compute, name) for name in compute.base_model_names()}
+        db = Database(config.database_url)
+        checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
+        board = CompletionBoard()
+        worker_config = worker_config or WorkerConfig(
+            default_max_tokens=config.default_max_tokens,
+            max_num_samples=config.max_num_samples,
+            max_topk_logprobs=config.max_topk_logprobs,
+        )
+        worker = EngineWorker(
+            compute,
+            sampler,
+            db,
+            checkpoints,
+            limits={name: info.limits for name, info in base_models.items()},
+            on_finished=board.notify,
+            config=worker_config,
+            metrics=metrics,
+        )
+        state = ServiceState(
+            config=config,
+            db=db,
+            store=FutureStore(db),
+            checkpoints=checkpoints,
+            base_models=base_models,
+            board=board,
+            wake_worker=worker.wake,
+            counters=worker.stats,
+            archive_signer=ArchiveSigner(),
+            cancel_sample=worker.cancel_sample,
+        )
+        sampler.start()
+        worker.start()
+        engines = starting.pop_all()
     return state, worker, sampler, engines
 
 
 def _vllm_sampler(config: ServiceConfig, compute: ServiceCompute, engines: contextlib.ExitStack) -> Sampler:
-    """Per base model a `serve-engine --backend vllm` process (on `engines` as it starts: closing it stops
+    """Per base model a `serve-engine --backend vllm` process (on `engines` as it starts: closing that stops
     them), reporting the raw logprobs Tinker's wire carries, and the sampler over them; each base model's
     adapters limited to the modules vLLM can adapt."""
     import httpx
@@ -183,26 +186,22 @@ def _vllm_sampler(config: ServiceConfig, compute: ServiceCompute, engines: conte
 
     limits = compute.sampling_limits()
     loops = {}
-    try:
-        for name in compute.base_model_names():
-            engine = EngineProcess(
-                compute.model_info(name)["source"],
-                backend="vllm",
-                max_batch_size=compute.config.max_sample_rows,
-                max_seq_len_tokens=limits[name].max_context,
-                logprobs_kind="raw",
-                max_lora_rank=_vllm_rank(config.max_lora_rank),
-                max_logprobs=config.max_topk_logprobs,
-            )
-            engines.callback(engine.close)
-            log.info("base model %r: starting its vLLM engine", name)
-            engine.start()
-            health = httpx.get(f"{engine.url}/health", timeout=30).json()
-            compute.sample_only_on(name, health["lora_modules"])
-            loops[name] = HttpEngine([engine.url])
-    except BaseException:
-        engines.close()
-        raise
+    for name in compute.base_model_names():
+        engine = EngineProcess(
+            compute.model_info(name)["source"],
+            backend="vllm",
+            max_batch_size=compute.config.max_sample_rows,
+            max_seq_len_tokens=limits[name].max_context,
+            logprobs_kind="raw",
+            max_lora_rank=_vllm_rank(config.max_lora_rank),
+            max_logprobs=config.max_topk_logprobs,
+        )
+        engines.callback(engine.close)
+        log.info("base model %r: starting its vLLM engine", name)
+        engine.start()
+        health = httpx.get(f"{engine.url}/health", timeout=30).json()
+        compute.sample_only_on(name, health["lora_modules"])
+        loops[name] = HttpEngine([engine.url])
     return Sampler(loops, limits)
 
 
@@ -217,13 +216,8 @@ def _ray_sampler(config: ServiceConfig, compute: ServiceCompute, engines: contex
         name: (str(compute.model_info(name)["source"]), compute.sampling_config(name))
         for name in compute.base_model_names()
     }
-    try:
-        urls = engines.enter_context(engines_on_ray(placed, config.ray, str(config.state_dir / "weights")))
-        loops = {name: HttpEngine([url]) for name, url in urls.items()}
-    except BaseException:
-        engines.close()
-        raise
-    return Sampler(loops, compute.sampling_limits())
+    urls = engines.enter_context(engines_on_ray(placed, config.ray, str(config.state_dir / "weights")))
+    return Sampler({name: HttpEngine([url]) for name, url in urls.items()}, compute.sampling_limits())
 
 
 def _vllm_rank(max_rank: int) -> int:
@@ -288,6 +282,11 @@ def serve(
             f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "
             "sample. Pass --api-key KEY (clients send it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
         )
+    if engine == "vllm" and launcher == "ray":
+        raise UserError(
+            "--engine vllm with --launcher ray is not built: vLLM runs in processes beside the service "
+            "(--launcher local), or use the built-in engine on Ray"
+        )
     config = ServiceConfig(
         base_models=base_models,
         db_url=db_url,
@@ -300,11 +299,6 @@ def serve(
         launcher=launcher,
         ray=RayConfig(address=ray_address),
     )
-    if engine == "vllm" and launcher == "ray":
-        raise UserError(
-            "--engine vllm with --launcher ray is not built: vLLM runs in processes beside the service "
-            "(--launcher local), or use the built-in engine on Ray"
-        )
     from inflight.models.device import resolve_device
 
     resolve_device(device, "--device")  # a device this machine lacks: one line, before anything loads

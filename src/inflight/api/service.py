@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from inflight.api.archives import ArchiveSigner
 from inflight.api.auth import check_api_keys
@@ -61,6 +61,14 @@ class ServiceConfig(BaseModel):
     # On SIGTERM/SIGINT or the lifespan's end: how long the futures in flight may take to finish before
     # they are failed (shutdown.py). Orchestrators should allow ~10 s more before they kill the process.
     shutdown_grace_s: float = Field(default=20.0, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _engine_where_built(self) -> ServiceConfig:
+        if self.engine == "vllm" and self.launcher == "ray":
+            raise ValueError(
+                "engine=vllm with launcher=ray is not built: vLLM runs beside the service (local)"
+            )
+        return self
 
     @field_validator("api_keys")
     @classmethod

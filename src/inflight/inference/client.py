@@ -372,12 +372,9 @@ class BalancedClient:
         """As update_weights, with the safetensors bytes in the body (kept here for replicas that recover)."""
         return await self._update_weights(lambda c: c.update_weights_raw(data, version), version)
 
-    async def join_weight_broadcast(
-        self, host: str, port: int, bucket_mb: float, timeout_s: float
-    ) -> list[str]:
+    async def join_weight_broadcast(self, host: str, port: int, timeout_s: float) -> None:
         """Every replica joins the trainer's weight broadcast group at host:port as rank 1.. in order (the
-        trainer is rank 0); returns the replicas' URLs by rank. Every replica must be up: a group has a
-        fixed size."""
+        trainer is rank 0). Every replica must be up: a group has a fixed size."""
         await self.start()
         await self.check_health()
         down = [r.client.url for r in self._replicas if not r.healthy]
@@ -386,22 +383,13 @@ class BalancedClient:
                 f"weight broadcast: replicas down ({', '.join(down)}); {self._describe()}"
             )
         world = len(self._replicas) + 1
+        joins = [
+            JoinBroadcastRequest(host=host, port=port, world_size=world, rank=k, timeout_s=timeout_s)
+            for k in range(1, world)
+        ]
         await asyncio.gather(
-            *(
-                r.client.join_weight_broadcast(
-                    JoinBroadcastRequest(
-                        host=host,
-                        port=port,
-                        world_size=world,
-                        rank=k,
-                        bucket_mb=bucket_mb,
-                        timeout_s=timeout_s,
-                    )
-                )
-                for k, r in enumerate(self._replicas, 1)
-            )
+            *(r.client.join_weight_broadcast(join) for r, join in zip(self._replicas, joins, strict=True))
         )
-        return [r.client.url for r in self._replicas]
 
     def weights_installed(self, version: int, install: Callable[[EngineClient], Awaitable[Any]]) -> None:
         """Weights of `version` reached every replica by another way (the broadcast): `install` is what a

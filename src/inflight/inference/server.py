@@ -574,7 +574,6 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
             host=body.host,
             port=body.port,
             world_size=body.world_size,
-            bucket_mb=body.bucket_mb,
             timeout_s=body.timeout_s,
         )
         await asyncio.to_thread(service.broadcast.join, config, body.rank)

@@ -187,8 +187,7 @@ class JoinBroadcastRequest(BaseModel):
     host: str = Field(min_length=1)  # where the trainer's TCP store listens
     port: int = Field(ge=1, le=65535)
     world_size: int = Field(ge=2)  # the trainer and every replica
-    rank: int = Field(ge=1)
-    bucket_mb: float = Field(default=256.0, gt=0)
+    rank: int = Field(ge=1)  # the bucket layout comes from the trainer, through its store
     timeout_s: float = Field(default=60.0, gt=0)  # joining, and each transfer's collectives
 
 

@@ -229,7 +229,7 @@ class RemoteEngines:
         with socket.socket() as sock:  # a free port for the group's store, released for it to take
             sock.bind((host, 0))
             port = int(sock.getsockname()[1])
-        self._wait(self._client.join_weight_broadcast(host, port, 256.0, BROADCAST_TIMEOUT_S))
+        self._wait(self._client.join_weight_broadcast(host, port, BROADCAST_TIMEOUT_S))
         config = TorchDistSyncConfig(
             host=host, port=port, world_size=len(self.urls) + 1, timeout_s=BROADCAST_TIMEOUT_S
         )
