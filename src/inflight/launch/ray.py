@@ -110,51 +110,23 @@ def engines_on_ray(
     (ray.strategy); yields name -> URL once every engine serves, and releases actors and group on exit.
     The service itself (its API and its training) stays in the calling process and reaches them over HTTP."""
     ray = _import_ray()
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.placement_group import remove_placement_group
 
     with _cluster(ray, ray_config):
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        shape = [
-            {"CPU": ray_config.engine_cpus}
-            | ({"GPU": ray_config.engine_gpus} if _on_gpu(config.device, has_gpus) else {})
-            for _, config in engines.values()
-        ]
-        group = placement_group(shape, strategy=ray_config.strategy)
+        shape = [_engine_bundle(ray_config, config.device, has_gpus) for _, config in engines.values()]
+        group = _reserve(ray, shape, ray_config, "serve --launcher ray", "Add nodes or lower ray.engine_cpus")
         actors: list[Any] = []
         try:
-            try:
-                ray.get(group.ready(), timeout=ray_config.placement_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise UserError(
-                    f"serve --launcher ray: the cluster could not hold {shape} within "
-                    f"{ray_config.placement_timeout_s:g} s; it has {ray.available_resources()} free"
-                ) from None
             replica_cls = ray.remote(EngineReplica)
             for i, (name, (path, config)) in enumerate(engines.items()):
-                on_bundle = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-                host, port = ray.get(
-                    ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on_bundle).remote()
-                )
-                gpus = shape[i].get("GPU", 0.0)
                 run_cfg = RunConfig(model=ModelConfig(path=path), ray=ray_config)
                 run_cfg.engine = EngineConfig.model_validate(config.model_dump())
+                name_on_ray = f"serve-{os.getpid()}:engine-{name}"  # ray.get_actor finds it
                 actors.append(
-                    replica_cls.options(
-                        name=f"serve-{os.getpid()}:engine-{name}",  # ray.get_actor finds it
-                        num_cpus=shape[i]["CPU"],
-                        num_gpus=gpus,
-                        max_restarts=ray_config.max_replica_restarts,
-                        scheduling_strategy=on_bundle,
-                    ).remote(_for_actor(run_cfg, gpus), host, port, weights_dir)
+                    _start_replica(ray, replica_cls, run_cfg, group, i, shape[i], name_on_ray, weights_dir)
                 )
-            try:
-                infos = ray.get([a.info.remote() for a in actors], timeout=ray_config.replica_start_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise UserError(
-                    f"serve --launcher ray: the engines did not start within "
-                    f"{ray_config.replica_start_timeout_s:g} s"
-                ) from None
+            infos = _replica_infos(ray, actors, ray_config, "serve --launcher ray")
             for name, info in zip(engines, infos, strict=True):
                 print(f"inflight: ray: base model {name!r} samples on {info.url}", file=sys.stderr)
             yield {name: info.url for name, info in zip(engines, infos, strict=True)}
@@ -164,14 +136,79 @@ def engines_on_ray(
             remove_placement_group(group)
 
 
+def _engine_bundle(r: RayConfig, device: str, cluster_has_gpus: bool) -> dict[str, float]:
+    return {"CPU": r.engine_cpus} | ({"GPU": r.engine_gpus} if _on_gpu(device, cluster_has_gpus) else {})
+
+
+def _reserve(ray: Any, shape: list[dict[str, float]], r: RayConfig, who: str, fix: str) -> Any:
+    """A placement group of `shape` (r.strategy), ready; one line naming the shape, what is free and `fix`
+    when the cluster cannot hold it within r.placement_timeout_s."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group(shape, strategy=r.strategy)
+    try:
+        ray.get(group.ready(), timeout=r.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise UserError(
+            f"{who}: the cluster could not hold {shape} ({r.strategy}) within ray.placement_timeout_s="
+            f"{r.placement_timeout_s:g}; it has {ray.available_resources()} free. {fix}"
+        ) from None
+    return group
+
+
+def _on_bundle(group: Any, index: int) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+
+
+def _start_replica(
+    ray: Any,
+    replica_cls: Any,
+    cfg: RunConfig,
+    group: Any,
+    index: int,
+    bundle: dict[str, float],
+    name: str,
+    weights_dir: str,
+) -> Any:
+    """An `EngineReplica` actor on bundle `index`, serving on a port picked on that node now (so that a
+    replica Ray restarts comes back at the same URL)."""
+    port_task = ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=_on_bundle(group, index))
+    host, port = ray.get(port_task.remote())
+    gpus = bundle.get("GPU", 0.0)
+    return replica_cls.options(
+        name=name,
+        num_cpus=bundle["CPU"],
+        num_gpus=gpus,
+        max_restarts=cfg.ray.max_replica_restarts,
+        scheduling_strategy=_on_bundle(group, index),
+    ).remote(_for_actor(cfg, gpus), host, port, weights_dir)
+
+
+def _replica_infos(ray: Any, replicas: list[Any], r: RayConfig, who: str) -> list[ReplicaInfo]:
+    """Each replica's URL once it serves; one line when they do not within r.replica_start_timeout_s."""
+    try:
+        infos: list[ReplicaInfo] = ray.get(
+            [a.info.remote() for a in replicas], timeout=r.replica_start_timeout_s
+        )
+    except ray.exceptions.GetTimeoutError:
+        raise UserError(
+            f"{who}: the engine replicas did not start within ray.replica_start_timeout_s="
+            f"{r.replica_start_timeout_s:g}"
+        ) from None
+    except ray.exceptions.RayError as e:
+        raise RuntimeError(f"{who}: an engine replica failed to start: {e}") from None
+    return infos
+
+
 def bundles(cfg: RunConfig, cluster_has_gpus: bool) -> list[dict[str, float]]:
     """The placement group's bundles: one per engine replica, then one per trainer rank (the first is the
     run's own). A GPU (or the fraction ray.*_gpus) where the component's device is cuda ("auto": where the
     cluster has GPUs)."""
     r = cfg.ray
-    engine = {"CPU": r.engine_cpus} | (
-        {"GPU": r.engine_gpus} if _on_gpu(cfg.engine.device, cluster_has_gpus) else {}
-    )
+    engine = _engine_bundle(r, cfg.engine.device, cluster_has_gpus)
     trainer = {"CPU": r.trainer_cpus} | (
         {"GPU": r.trainer_gpus} if _on_gpu(cfg.trainer.device, cluster_has_gpus) else {}
     )
@@ -194,27 +231,13 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
     The rollouts, the stream and the trainer share one process, so the default file stream in the run
     directory serves any cluster; only the weight files and the model need storage every node can read.
     """
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     shape = bundles(cfg, has_gpus)
-    group = placement_group(shape, strategy=cfg.ray.strategy)
-    timeout_s = cfg.ray.placement_timeout_s
-    try:
-        ray.get(group.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        from ray.util.placement_group import remove_placement_group
-
-        remove_placement_group(group)
-        raise UserError(
-            f"launcher=ray: the cluster could not hold {shape} ({cfg.ray.strategy}) within "
-            f"ray.placement_timeout_s={timeout_s:g}; it has {ray.available_resources()} free. Lower "
-            "ray.num_engine_replicas, ray.engine_cpus or ray.trainer_cpus, or add nodes"
-        ) from None
+    fix = "Lower ray.num_engine_replicas, ray.engine_cpus or ray.trainer_cpus, or add nodes"
+    group = _reserve(ray, shape, cfg.ray, "launcher=ray", fix)
 
     def on_bundle(index: int) -> Any:
-        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+        return _on_bundle(group, index)
 
     placed = Placement(ray, group, [], [], None, cfg, target, [])
     try:
@@ -240,17 +263,9 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
         ray.remote(TrainerRank),
     )
     for i in range(n):
-        gpus = shape[i].get("GPU", 0.0)
-        port_task = ray.remote(_free_port).options(num_cpus=0, scheduling_strategy=on_bundle(i))
-        host, port = ray.get(port_task.remote())
+        name, weights_dir = f"{run_dir.name}:engine-{i}", str(run_dir / "weights")
         placed.replicas.append(
-            replica_cls.options(
-                name=f"{run_dir.name}:engine-{i}",
-                num_cpus=shape[i]["CPU"],
-                num_gpus=gpus,
-                max_restarts=cfg.ray.max_replica_restarts,
-                scheduling_strategy=on_bundle(i),
-            ).remote(_for_actor(cfg, gpus), host, port, str(run_dir / "weights"))
+            _start_replica(ray, replica_cls, cfg, placed.group, i, shape[i], name, weights_dir)
         )
     placed.driver = driver_cls.options(
         name=f"{run_dir.name}:run",
@@ -267,17 +282,7 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
                 scheduling_strategy=on_bundle(n + k),
             ).remote()
         )
-    try:
-        placed.infos = ray.get(
-            [r.info.remote() for r in placed.replicas], timeout=cfg.ray.replica_start_timeout_s
-        )
-    except ray.exceptions.GetTimeoutError:
-        raise UserError(
-            f"launcher=ray: the engine replicas did not start within ray.replica_start_timeout_s="
-            f"{cfg.ray.replica_start_timeout_s:g} (loading {cfg.model.path})"
-        ) from None
-    except ray.exceptions.RayError as e:
-        raise RuntimeError(f"launcher=ray: an engine replica failed to start: {e}") from None
+    placed.infos = _replica_infos(ray, placed.replicas, cfg.ray, f"launcher=ray (loading {cfg.model.path})")
     placed.cfg = _for_actor(cfg, shape[n].get("GPU", 0.0), engine_urls=[info.url for info in placed.infos])
 
 
