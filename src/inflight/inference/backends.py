@@ -5,6 +5,7 @@ Heavy imports (torch, transformers, vLLM) happen only in the builder of the back
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Literal, Protocol
 
@@ -13,6 +14,15 @@ from inflight.inference.engine import SteppedEngine
 from inflight.models.chat_template import generation_stop_ids
 
 Backend = Literal["builtin", "vllm"]
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """What `serve-engine` sets of vLLM besides what both backends take (see VllmEngineConfig)."""
+
+    logprobs_kind: Literal["sampled", "raw"] = "sampled"  # the one kind it reports under any sampling
+    max_lora_rank: int = 16
+    max_prompt_logprobs: int = 20
 
 
 class _ServedConfig(Protocol):
@@ -46,13 +56,13 @@ def load_backend(
     dtype: str,
     kv_policy: str,
     device: str = "cpu",
-    vllm: dict[str, object] | None = None,
+    vllm: VllmOptions | None = None,
 ) -> tuple[ServedEngine, tuple[int, ...]]:
     """The engine of `backend` over `model` (a directory or hub id) and the ids generation stops at (the
     model's generation config's EOS ids); `kv_policy` and `device` are the built-in engine's only (vLLM
-    places itself); `vllm`: VllmEngineConfig fields for vLLM (logprobs_kind, max_lora_rank, ...)."""
+    places itself), `vllm` vLLM's only."""
     if backend == "vllm":
-        return _vllm_engine(model, max_batch_size, max_seq_len_tokens, dtype, vllm or {})
+        return _vllm_engine(model, max_batch_size, max_seq_len_tokens, dtype, vllm or VllmOptions())
     return _builtin_engine(model, max_batch_size, max_seq_len_tokens, dtype, kv_policy, device)
 
 
@@ -84,7 +94,7 @@ def _builtin_engine(
 
 
 def _vllm_engine(
-    model: str, max_batch_size: int, max_seq_len_tokens: int | None, dtype: str, options: dict[str, object]
+    model: str, max_batch_size: int, max_seq_len_tokens: int | None, dtype: str, options: VllmOptions
 ) -> tuple[ServedEngine, tuple[int, ...]]:
     from transformers import AutoConfig, GenerationConfig
 
@@ -104,7 +114,7 @@ def _vllm_engine(
             max_batch_size=max_batch_size,
             max_seq_len_tokens=max_seq_len_tokens,
             dtype="float32" if dtype == "auto" else dtype,
-            **options,
+            **asdict(options),
         )
     )
     return VllmEngine(model, config), stop_ids

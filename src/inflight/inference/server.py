@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,7 +43,7 @@ from safetensors import SafetensorError
 
 from inflight.errors import UserError
 from inflight.inference.adapter_files import read_adapter_dir
-from inflight.inference.backends import Backend, ServedEngine, load_backend
+from inflight.inference.backends import Backend, ServedEngine, VllmOptions, load_backend
 from inflight.inference.engine_loop import EngineLoop, EngineLoopError, EngineRequestError
 from inflight.inference.openai_api import (
     ChatCompletionRequest,
@@ -622,7 +622,7 @@ def serve(
     dtype: str = "float32",
     log_level: str = "info",
     device: str = "cpu",
-    logprobs_kind: str = "sampled",
+    logprobs_kind: Literal["sampled", "raw"] = "sampled",
     max_lora_rank: int = 16,
     max_logprobs: int = 20,
 ) -> None:
@@ -648,11 +648,7 @@ def serve(
             dtype,
             kv_policy,
             device,
-            vllm={
-                "logprobs_kind": logprobs_kind,
-                "max_lora_rank": max_lora_rank,
-                "max_prompt_logprobs": max_logprobs,
-            },
+            vllm=VllmOptions(logprobs_kind, max_lora_rank, max_prompt_logprobs=max_logprobs),
         )
         from inflight.models import load_tokenizer
 
