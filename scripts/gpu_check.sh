@@ -29,12 +29,15 @@ nvidia-smi -L
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 # 1. The gpu-marked tests: engine (fast and HF runners, sampled and raw logprobs, seeded rows), trainer, and
 #    the data-parallel trainer and the sharded (FSDP2) one on one NCCL rank.
-step gpu_tests 150 python3 -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_engine_lora.py tests/test_trainer_lora.py \
+step gpu_tests 140 python3 -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_engine_lora.py tests/test_trainer_lora.py \
     tests/test_trainer_distributed.py tests/test_trainer_fsdp.py
-# 2. The service on its default device (auto: CUDA here), driven by the tinker SDK.
-step service_sdk 170 python3 -m pytest -p no:cacheprovider -q -rfE -x tests/test_api_sdk.py tests/test_service_compute.py
-# 3. The pipeline: BlackJack with the engine and the trainer on the GPU, a few steps end to end.
-step blackjack 170 python3 -m inflight.cli run blackjack engine.device=cuda trainer.device=cuda \
+# 2. The Engine contract (tests/test_engine_contract.py) against the built-in engine on CUDA.
+INFLIGHT_TEST_VLLM=0 step engine_contract 90 python3 -m pytest -p no:cacheprovider -q -rfE \
+    tests/test_engine_contract.py -k cuda
+# 3. The service on its default device (auto: CUDA here), driven by the tinker SDK.
+step service_sdk 150 python3 -m pytest -p no:cacheprovider -q -rfE -x tests/test_api_sdk.py tests/test_service_compute.py
+# 4. The pipeline: BlackJack with the engine and the trainer on the GPU, a few steps end to end.
+step blackjack 130 python3 -m inflight.cli run blackjack engine.device=cuda trainer.device=cuda \
     grpo.steps=6 warmup.sft_steps=20 eval.num_episodes=400 eval.num_episodes_sampled=200 \
     eval.every_steps=3 eval.num_episodes_during=200 run_dir="$OUT/blackjack-run" metrics.print_every_steps=1
 # What the CUDA run did: shared prefixes in the trainer (forward tokens below the batch's), engine-trainer

@@ -39,9 +39,11 @@ TOL = 1e-4  # float32: engine and reference differ by summation order only
 Factory = Callable[[transformers.PreTrainedModel, Any, int, int], Engine]
 
 
-def builtin(runner: str) -> Factory:
+def builtin(runner: str, device: str = "cpu") -> Factory:
     def make(model: transformers.PreTrainedModel, tokenizer: Any, batch: int, seq_len: int) -> Engine:
-        config = BuiltinEngineConfig(max_batch_size=batch, max_seq_len_tokens=seq_len, runner=runner)  # type: ignore[arg-type]
+        config = BuiltinEngineConfig(
+            max_batch_size=batch, max_seq_len_tokens=seq_len, runner=runner, device=device  # type: ignore[arg-type]
+        )
         return BuiltinEngine(model, tokenizer, config)
 
     return make
@@ -191,6 +193,10 @@ BACKENDS: dict[str, Factory] = {
     # test_update_lands_in_flight_without_draining.
     "http-builtin-fast": over_http("fast"),
 }
+# The built-in engine on a GPU (float32, so the same tolerance; `scripts/gpu_check.sh` runs it), listed
+# only where CUDA is: a CPU machine has nothing to skip.
+if torch.cuda.is_available():
+    BACKENDS["builtin-fast-cuda"] = builtin("fast", device="cuda")
 # vLLM's CPU build in its own environment behind `serve-engine --backend vllm` (see VllmServers), in every
 # run: skipped where the environment cannot be built (no network), a failure under CI. INFLIGHT_TEST_VLLM=0
 # leaves it out (a quick local run).
