@@ -125,18 +125,3 @@ def test_adapters_trained_here_sample_on_vllm_with_the_trainers_logprobs(
         expected = trained_logprobs(training, prompt + sequence.tokens)[len(prompt) - 1 :]
         got = torch.tensor(sequence.logprobs, dtype=torch.float64)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
-
-
-def test_vllm_on_ray_is_refused_in_one_line(
-    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from pydantic import ValidationError
-
-    from inflight.cli import main
-
-    with pytest.raises(ValidationError, match="engine=vllm with launcher=ray is not built"):
-        ServiceConfig(base_models={"b": "x"}, state_dir=tmp_path, engine="vllm", launcher="ray")
-    argv = ["serve", "--base-model", f"b={tiny_model_dir}", "--engine", "vllm", "--launcher", "ray"]
-    assert main([*argv, "--state-dir", str(tmp_path / "serve")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--engine vllm with --launcher ray is not built" in err[0], err

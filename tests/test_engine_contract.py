@@ -42,7 +42,10 @@ Factory = Callable[[transformers.PreTrainedModel, Any, int, int], Engine]
 def builtin(runner: str, device: str = "cpu") -> Factory:
     def make(model: transformers.PreTrainedModel, tokenizer: Any, batch: int, seq_len: int) -> Engine:
         config = BuiltinEngineConfig(
-            max_batch_size=batch, max_seq_len_tokens=seq_len, runner=runner, device=device  # type: ignore[arg-type]
+            max_batch_size=batch,
+            max_seq_len_tokens=seq_len,
+            runner=runner,
+            device=device,  # type: ignore[arg-type]
         )
         return BuiltinEngine(model, tokenizer, config)
 

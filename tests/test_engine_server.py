@@ -576,15 +576,18 @@ def test_balanced_client_spreads_load_and_passes_4xx_through(replicas) -> None:
     assert (metrics.retries, metrics.replica_failures) == (0, 0)  # a 4xx is not the replica's fault
 
 
-def test_all_replicas_down_names_them() -> None:
+def test_all_replicas_down_names_them_after_the_outage_wait() -> None:
     urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
 
     async def main():
-        async with BalancedClient(urls, ClientConfig(connect_timeout_s=2)) as client:
+        config = ClientConfig(connect_timeout_s=2, outage_wait_s=1.0, health_interval_s=0.2)
+        async with BalancedClient(urls, config) as client:
             await client.generate(SampleRequest([1, 2], SamplingParams(max_tokens=2)))
 
+    start = time.monotonic()
     with pytest.raises(NoReplicaAvailableError) as info:
         asyncio.run(main())
+    assert time.monotonic() - start >= 1.0  # it waited for one to come back, as long as configured
     message = str(info.value)
     assert all(url in message for url in urls) and "ConnectError" in message
 

@@ -191,6 +191,58 @@ def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
     assert last["rollout_errors"] == 0, last
 
 
+def test_vllm_replicas_on_ray_sample_the_trainers_weights_and_a_killed_vllm_process_is_restarted(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`launcher=ray engine.backend=vllm`: the replica actor runs vLLM's serve-engine (in the vLLM
+    environment) on its bundle's port and reads weights only from the run's weights directory. Its vLLM
+    process SIGKILLed after the first step: the actor starts it again on the same port
+    (engine.max_restarts), the pipeline's client waits out the outage (its only replica) and brings the new
+    process up to date, and the run ends with every step trained on sampler logprobs equal to the
+    trainer's."""
+    from conftest import require_vllm_env
+
+    require_vllm_env()
+    run_dir = tmp_path / "run"
+    steps = 12
+    killed: dict[str, int] = {}
+
+    def kill_the_vllm_process_after_the_first_step() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not metrics_rows_or_none(run_dir):
+            time.sleep(0.1)
+        replica = ray_cluster.get_actor(f"{run_dir.name}:engine-0")
+        killed["pid"] = ray_cluster.get(replica.info.remote()).pid
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_vllm_process_after_the_first_step, daemon=True)
+    killer.start()
+    summary = run_cli(
+        capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray", "engine.backend=vllm",
+        "pipeline.max_staleness_steps=0", "--run-dir", str(run_dir),
+    )  # fmt: skip
+    killer.join(30)
+    assert killed, "the vLLM process was never killed"
+    assert summary["steps"] == steps
+    train = metrics_rows(run_dir, "train")
+    last = train[-1]
+    assert last["engine_replica_restarts"] == 1 and last["engine_replicas_up"] == 1, last
+    assert last["replicas/recoveries"] >= 1 and last["rollout_errors"] == 0, last
+    # On-policy: vLLM's logprobs equal the trainer's on every step, after the restart too (a process left
+    # on the model from disk would differ by ~1e-1).
+    diffs = [r["logprob_diff_max_abs"] for r in train if "logprob_diff_max_abs" in r]
+    assert len(diffs) >= steps // 2 and max(diffs) < 1e-4, diffs
+    assert list((run_dir / "weights").glob("weights-*.safetensors")), "weights went by file"
+    wait_until_released(ray_cluster)
+
+
+def metrics_rows_or_none(run_dir: Path) -> list[dict[str, Any]] | None:
+    try:
+        return metrics_rows(run_dir, "train")
+    except (OSError, json.JSONDecodeError):  # not written yet, or a line half written
+        return None
+
+
 def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
     ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -294,23 +346,28 @@ def test_fsdp_on_ray_refuses_what_it_cannot_shard(tiny_model_dir: Path) -> None:
             apply_overrides(cfg, [*sharded, *extra])
 
 
+@pytest.mark.parametrize("engine", ["builtin", "vllm"])
 def test_serve_places_its_sampling_engine_on_ray(
-    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path
+    engine: str, ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """`inflight serve --launcher ray`: the base model's sampling engine is an actor on the cluster, the API
-    and training stay here. Driven by the tinker SDK: an adapter trained here, then sampled and scored on
-    the actor, equal to the trainer's logprobs (float32)."""
+    """`inflight serve --launcher ray [--engine vllm]`: the base model's sampling engine (built-in, or a vLLM
+    process) is in an actor on the cluster, the API and training stay here. Driven by the tinker SDK: an
+    adapter trained here, then sampled and scored on the actor, equal to the trainer's logprobs (float32).
+    vLLM cannot adapt this model's LM head (Qwen2), so its adapter trains the projections only."""
     import tinker
 
-    from conftest import sdk_server
+    from conftest import require_vllm_env, sdk_server
     from inflight.api.service import ServiceConfig
     from inflight.config import RayConfig
 
+    if engine == "vllm":
+        require_vllm_env()
     types = tinker.types
     config = ServiceConfig(
         base_models={"tiny": str(tiny_model_dir)},
         state_dir=tmp_path / "serve",
         dtype="float32",
+        engine=engine,  # type: ignore[arg-type]
         launcher="ray",
         ray=RayConfig(engine_cpus=0.5),
     )
@@ -323,7 +380,9 @@ def test_serve_places_its_sampling_engine_on_ray(
         engines = [n for n in ray_cluster.util.list_named_actors() if n.endswith(":engine-tiny")]
         assert len(engines) == 1, ray_cluster.util.list_named_actors()
         service = tinker.ServiceClient(base_url=server.url)
-        training = service.create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+        training = service.create_lora_training_client(
+            base_model="tiny", rank=8, seed=0, train_unembed=engine != "vllm"
+        ).result()
         for _ in range(2):
             training.forward_backward([datum], "cross_entropy")
             training.optim_step(types.AdamParams(learning_rate=2e-2)).result()

@@ -8,6 +8,10 @@ update reached vLLM exactly and took effect before the next step's tokens.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +35,44 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def vllm_children() -> list[int]:
+    """The pids of this process's `serve-engine --backend vllm` children."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            parent = int((entry / "stat").read_text().split(")")[-1].split()[1])
+            if parent != os.getpid():
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        if b"serve-engine" in argv and b"vllm" in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-killed"])
 def test_blackjack_samples_from_vllm_on_the_trainers_weights(
     lora: bool, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Full weights; and a LoRA adapter with the vLLM process SIGKILLed after the first step: the run
+    starts it again on its port (engine.max_restarts), waits out the outage and sends the new process the
+    adapter, and every step still samples with the trainer's exact weights."""
     steps = 5
+    killed: list[int] = []
+
+    def kill_the_engine_after_the_first_step() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not train_rows(tmp_path):
+            time.sleep(0.1)
+        killed.extend(vllm_children())
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+
+    if lora:
+        threading.Thread(target=kill_the_engine_after_the_first_step, daemon=True).start()
     summary = run_cli(
         capsys, "run", "blackjack", "engine.backend=vllm", "progress=false", f"model.path={tiny_model_dir}",
         "warmup.sft_steps=60", "warmup.sft_batch_size=32", f"grpo.steps={steps}", "grpo.prompts_per_step=8",
@@ -43,23 +80,38 @@ def test_blackjack_samples_from_vllm_on_the_trainers_weights(
         "pipeline.max_staleness_steps=0", f"trainer.lora_rank={8 if lora else 0}", "--run-dir", str(tmp_path),
     )  # fmt: skip
     assert summary["steps"] == steps and summary["eval_problems"] == 8
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r["phase"] == "train"]
+    train = train_rows(tmp_path)
     assert [r["version"] for r in train] == list(range(1, steps + 1))
-    assert train[-1]["replicas/calls"] > 0 and train[-1]["replicas/replica_failures"] == 0
+    last = train[-1]
+    assert last["replicas/calls"] > 0 and last["engine_replicas_up"] == 1
+    if lora:
+        assert len(killed) == 1, killed
+        assert last["engine_replica_restarts"] == 1 and last["replicas/recoveries"] >= 1, last
+    else:
+        assert last["replicas/replica_failures"] == 0 and last["engine_replica_restarts"] == 0
+    assert last["rollout_errors"] == 0
     trained = [r for r in train if "logprob_diff_max_abs" in r]
     assert len(trained) >= 3, "most steps must have trained (groups with a reward spread)"
     # Measured 1.1e-6 to 2.5e-6 (float32 on both sides); a missed or late update is ~1e-1.
     assert max(r["logprob_diff_max_abs"] for r in trained) < 1e-4
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["engine"]["backend"] == "vllm" and config["pipeline"]["engine_urls"]
+    assert not vllm_children(), "the run stopped its engine"
+
+
+def train_rows(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, json.JSONDecodeError):  # not written yet, or a line half written
+        return []
+    return [r for r in rows if r["phase"] == "train"]
 
 
 def test_vllm_backend_refuses_what_it_cannot_serve_in_one_line(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for extra, message in (
-        (["mode=sync"], "set mode=async and launcher=local"),
+        (["mode=sync"], "engine.backend=vllm serves the asynchronous pipeline"),
         (['pipeline.engine_urls=["http://127.0.0.1:9"]'], "unset one"),
     ):
         capsys.readouterr()

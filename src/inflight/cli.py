@@ -132,6 +132,8 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
         logprobs_kind=args.logprobs_kind,
         max_lora_rank=args.max_lora_rank,
         max_logprobs=args.max_logprobs,
+        weights_dir=args.weights_dir,
+        parent_pid=args.parent_pid,
     )
     return 0
 
@@ -166,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         "launcher=ray places its engine replicas and trainer on a Ray cluster (ray.address, "
         "ray.num_engine_replicas; needs `pip install 'inflight[ray]'`). "
         "engine.backend=vllm samples from vLLM (its CPU build, in an environment built on first use) in a "
-        "process beside the run. "
+        "process beside the run, or in each replica's actor with launcher=ray. "
         "A run directory with a checkpoint is resumed. Prints one JSON summary line at the end. Writing a "
         "task: docs/bring-your-own-task.md.",
     )
@@ -249,9 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--launcher",
         choices=["local", "ray"],
         default="local",
-        help="local: sampling in this process; ray: each base model's sampling engine an actor on a Ray "
-        "cluster (GPU bundles when --device is cuda; needs `pip install 'inflight[ray]'`), reached over "
-        "HTTP; the API and training stay in this process",
+        help="local: sampling in this process (or vLLM processes beside it); ray: each base model's "
+        "sampling engine (built-in or vLLM) in an actor on a Ray cluster (GPU bundles when --device is "
+        "cuda; needs `pip install 'inflight[ray]'`), reached over HTTP; the API and training stay in this "
+        "process",
     )
     serve.add_argument(
         "--ray-address",
@@ -312,6 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=20,
         help="vLLM only: the most top-k logprobs a request may ask for, per position (default 20)",
+    )
+    serve_engine.add_argument(
+        "--weights-dir",
+        default=None,
+        help="weight and adapter updates by path (/update_weights, /set_adapter) read only files under "
+        "this directory (default: any file this process can read)",
+    )
+    serve_engine.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="stop when this process, the server's parent, exits (set by the launchers that start it)",
     )
     serve_engine.set_defaults(func=_cmd_serve_engine)
 

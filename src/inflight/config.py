@@ -172,11 +172,16 @@ class RayConfig(_Config):
 class EngineConfig(BuiltinEngineConfig):
     """The run's inference engine: the built-in one (every field), or vLLM (`backend=vllm`): an `inflight
     serve-engine --backend vllm` process in the environment `launch/vllm_env.py` builds (vLLM's CPU build;
-    on first use ~3.5 GB and minutes), started and stopped by the run, which reaches it over HTTP like
-    `pipeline.engine_urls`. With vLLM only max_batch_size and max_seq_len_tokens apply; the built-in
-    engine still runs the evaluations before and after training."""
+    on first use ~3.5 GB and minutes), started and stopped by the run (with launcher=ray, one in each
+    engine replica's actor), which reaches it over HTTP like `pipeline.engine_urls`. With vLLM only
+    max_batch_size, max_seq_len_tokens and max_restarts apply; the built-in engine still runs the
+    evaluations before and after training."""
 
     backend: Literal["builtin", "vllm"] = "builtin"
+    # vLLM: how often its process is started again on the same port when it dies (-1: always); the
+    # pipeline's client routes around the outage and brings it up to date; counted as
+    # engine_replica_restarts in the metrics.
+    max_restarts: int = Field(default=3, ge=-1)
 
 
 class RunConfig(_Config):
@@ -210,11 +215,10 @@ class RunConfig(_Config):
                 f"sampling.temperature={self.sampling.temperature} but trainer.temperature="
                 f"{self.trainer.temperature}: set both to one value so trainer and sampler logprobs agree"
             )
-        if self.engine.backend == "vllm" and (self.mode != "async" or self.launcher != "local"):
+        if self.engine.backend == "vllm" and self.mode != "async":
             raise ValueError(
-                "engine.backend=vllm serves the asynchronous pipeline from a vLLM process this run starts: "
-                "set mode=async and launcher=local (on Ray, start `inflight serve-engine --backend vllm` "
-                "yourself and name it in pipeline.engine_urls)"
+                "engine.backend=vllm serves the asynchronous pipeline from vLLM processes this run starts: "
+                "set mode=async"
             )
         sharded = self.ray.trainer_sharding == "fsdp" and self.launcher == "ray"
         unshardable = self.ray.num_trainer_ranks < 2 or self.trainer.lora_rank or self.trainer.loss.kl_coef

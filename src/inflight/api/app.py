@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
     from inflight.api.compute import ServiceCompute
     from inflight.api.sampler import Sampler
+    from inflight.inference.backends import VllmOptions
 
 log = logging.getLogger(__name__)
 _CONNECTIONS_CLOSE_S = 10  # uvicorn's wait for open connections once the drain is over
@@ -131,10 +132,8 @@ def _start(
     # What samples outside this process (vLLM processes, Ray actors): released at shutdown, or here at once
     # when starting fails after they started.
     with contextlib.ExitStack() as starting:
-        if config.engine == "vllm":
-            sampler = _vllm_sampler(config, compute, starting)
-        elif config.launcher == "ray":
-            sampler = _ray_sampler(config, compute, starting)
+        if config.engine == "vllm" or config.launcher == "ray":
+            sampler = _remote_sampler(config, compute, starting)
         else:
             sampler = build_sampler(compute.sampling_engines())
         base_models = {name: _base_model_info(compute, name) for name in compute.base_model_names()}
@@ -174,50 +173,69 @@ def _start(
     return state, worker, sampler, engines
 
 
-def _vllm_sampler(config: ServiceConfig, compute: ServiceCompute, engines: contextlib.ExitStack) -> Sampler:
-    """Per base model a `serve-engine --backend vllm` process (on `engines` as it starts: closing that stops
-    them), reporting the raw logprobs Tinker's wire carries, and the sampler over them; each base model's
-    adapters limited to the modules vLLM can adapt."""
+def _remote_sampler(config: ServiceConfig, compute: ServiceCompute, engines: contextlib.ExitStack) -> Sampler:
+    """Per base model a sampling engine outside this process, and the sampler over them: with
+    --launcher ray an actor on the cluster (`launch/ray.py`'s engines_on_ray), else a `serve-engine
+    --backend vllm` process beside the service; each on `engines` as it starts (closing that stops them).
+    vLLM reports the raw logprobs Tinker's wire carries, and each base model's adapters are limited to the
+    modules vLLM can adapt."""
     import httpx
 
     from inflight.api.sampler import Sampler
+    from inflight.config import EngineConfig
     from inflight.inference.http_engine import HttpEngine
-    from inflight.launch.engine_process import EngineProcess
 
     limits = compute.sampling_limits()
-    loops = {}
-    for name in compute.base_model_names():
-        engine = EngineProcess(
-            compute.model_info(name)["source"],
-            backend="vllm",
-            max_batch_size=compute.config.max_sample_rows,
-            max_seq_len_tokens=limits[name].max_context,
-            logprobs_kind="raw",
-            max_lora_rank=_vllm_rank(config.max_lora_rank),
-            max_logprobs=config.max_topk_logprobs,
-        )
-        engines.callback(engine.close)
-        log.info("base model %r: starting its vLLM engine", name)
-        engine.start()
-        health = httpx.get(f"{engine.url}/health", timeout=30).json()
-        compute.sample_only_on(name, health["lora_modules"])
-        loops[name] = HttpEngine([engine.url])
-    return Sampler(loops, limits)
+    names = compute.base_model_names()
+    vllm = config.engine == "vllm"
+    if config.launcher == "ray":
+        from inflight.launch.ray import engines_on_ray
+
+        placed = {}
+        for name in names:
+            engine = EngineConfig.model_validate(compute.sampling_config(name).model_dump())
+            engine.backend = config.engine
+            placed[name] = (str(compute.model_info(name)["source"]), engine)
+        weights_dir = str(config.state_dir / "weights")
+        options = _vllm_options(config) if vllm else None
+        urls = engines.enter_context(engines_on_ray(placed, config.ray, weights_dir, vllm=options))
+    else:
+        urls = {name: _start_vllm(config, compute, name, limits[name].max_context, engines) for name in names}
+    if vllm:
+        for name, url in urls.items():
+            health = httpx.get(f"{url}/health", timeout=30).json()
+            compute.sample_only_on(name, health["lora_modules"])
+    return Sampler({name: HttpEngine([url]) for name, url in urls.items()}, limits)
 
 
-def _ray_sampler(config: ServiceConfig, compute: ServiceCompute, engines: contextlib.ExitStack) -> Sampler:
-    """The built-in sampling engines as actors on Ray (`launch/ray.py`'s engines_on_ray, held open by
-    `engines`), one per base model, and the sampler over them."""
-    from inflight.api.sampler import Sampler
-    from inflight.inference.http_engine import HttpEngine
-    from inflight.launch.ray import engines_on_ray
+def _start_vllm(
+    config: ServiceConfig, compute: ServiceCompute, name: str, max_context: int, engines: contextlib.ExitStack
+) -> str:
+    """Base model `name`'s `serve-engine --backend vllm` process, started (closed with `engines`); its URL."""
+    from inflight.launch.engine_process import EngineProcess
 
-    placed = {
-        name: (str(compute.model_info(name)["source"]), compute.sampling_config(name))
-        for name in compute.base_model_names()
-    }
-    urls = engines.enter_context(engines_on_ray(placed, config.ray, str(config.state_dir / "weights")))
-    return Sampler({name: HttpEngine([url]) for name, url in urls.items()}, compute.sampling_limits())
+    engine = EngineProcess(
+        compute.model_info(name)["source"],
+        backend="vllm",
+        max_batch_size=compute.config.max_sample_rows,
+        max_seq_len_tokens=max_context,
+        vllm=_vllm_options(config),
+        max_restarts=3,
+    )
+    engines.callback(engine.close)
+    log.info("base model %r: starting its vLLM engine", name)
+    return engine.start().url
+
+
+def _vllm_options(config: ServiceConfig) -> VllmOptions:
+    """vLLM reporting the raw logprobs Tinker's wire carries, with the service's adapter and top-k limits."""
+    from inflight.inference.backends import VllmOptions
+
+    return VllmOptions(
+        logprobs_kind="raw",
+        max_lora_rank=_vllm_rank(config.max_lora_rank),
+        max_prompt_logprobs=config.max_topk_logprobs,
+    )
 
 
 def _vllm_rank(max_rank: int) -> int:
@@ -281,11 +299,6 @@ def serve(
         raise UserError(
             f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "
             "sample. Pass --api-key KEY (clients send it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
-        )
-    if engine == "vllm" and launcher == "ray":
-        raise UserError(
-            "--engine vllm with --launcher ray is not built: vLLM runs in processes beside the service "
-            "(--launcher local), or use the built-in engine on Ray"
         )
     config = ServiceConfig(
         base_models=base_models,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inflight.api.archives import ArchiveSigner
 from inflight.api.auth import check_api_keys
@@ -47,9 +47,9 @@ class ServiceConfig(BaseModel):
     # Who samples: the built-in engine in this process, or per base model an `inflight serve-engine
     # --backend vllm` process this service starts (vLLM's CPU build; `launch/vllm_env.py`), reached over HTTP.
     engine: Literal["builtin", "vllm"] = "builtin"
-    # local: the sampling engines in this process (or, with vLLM, processes beside it); ray: the built-in
-    # engines as actors on a Ray cluster (`launch/ray.py`'s engines_on_ray, placed as `ray` says), reached
-    # over HTTP. The API and the training stay in this process either way.
+    # local: the sampling engines in this process (or, with vLLM, processes beside it); ray: the engines
+    # (built-in, or vLLM processes) in actors on a Ray cluster (`launch/ray.py`'s engines_on_ray, placed as
+    # `ray` says), reached over HTTP. The API and the training stay in this process either way.
     launcher: Literal["local", "ray"] = "local"
     ray: RayConfig = Field(default_factory=RayConfig)
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens
@@ -61,14 +61,6 @@ class ServiceConfig(BaseModel):
     # On SIGTERM/SIGINT or the lifespan's end: how long the futures in flight may take to finish before
     # they are failed (shutdown.py). Orchestrators should allow ~10 s more before they kill the process.
     shutdown_grace_s: float = Field(default=20.0, ge=0, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _engine_where_built(self) -> ServiceConfig:
-        if self.engine == "vllm" and self.launcher == "ray":
-            raise ValueError(
-                "engine=vllm with launcher=ray is not built: vLLM runs beside the service (local)"
-            )
-        return self
 
     @field_validator("api_keys")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -72,6 +73,9 @@ class ClientConfig(BaseModel):
     update_timeout_s: float = Field(default=300.0, gt=0)  # reading, copying and installing new weights
     health_interval_s: float = Field(default=2.0, gt=0)  # BalancedClient's periodic checks
     max_attempts: int = Field(default=3, ge=1)  # replicas one call may try, each at most once
+    # When no replica can take a call (all down: a restart in progress), how long it waits for one to come
+    # back, health-checking every health_interval_s, before NoReplicaAvailableError.
+    outage_wait_s: float = Field(default=120.0, ge=0)
     max_connections: int = Field(default=1024, ge=1)  # per replica: one per request in flight
 
 
@@ -465,9 +469,13 @@ class BalancedClient:
         self._removed.discard(name)
         return {url: reply.version for url, reply in live.items()}
 
-    async def _broadcast(self, send: Callable[[EngineClient], Awaitable[T]], what: str) -> dict[str, T]:
+    async def _broadcast(
+        self, send: Callable[[EngineClient], Awaitable[T]], what: str, wait_for_recovery: bool = True
+    ) -> dict[str, T]:
         """`send` to every healthy replica at once; url -> its answer. A 4xx raises (the input is wrong for
-        every replica alike); a replica that fails otherwise is marked down, to be synced on recovery."""
+        every replica alike); a replica that fails otherwise is marked down, to be synced on recovery. When
+        none took it (all down: a restart in progress), once more to the replicas back within
+        config.outage_wait_s."""
         await self.start()
         targets = [r for r in self._replicas if r.healthy]
         self._broadcasting += 1
@@ -483,6 +491,8 @@ class BalancedClient:
                 self._mark_down(replica, str(result), cancel_calls=False)
             else:
                 live[replica.client.url] = result
+        if not live and wait_for_recovery and await self._await_recovery() is not None:
+            return await self._broadcast(send, what, wait_for_recovery=False)
         if not live:
             raise NoReplicaAvailableError(f"{what}: no replica installed it; {self._describe()}")
         return live
@@ -499,10 +509,9 @@ class BalancedClient:
         probed = False
         for _ in range(self.config.max_attempts):
             replica = self._pick(tried)
-            if replica is None and not probed:  # all down or tried: look again before giving up
+            if replica is None and not probed:  # all down or tried: wait (bounded) for one to come back
                 probed = True
-                await self.check_health()
-                replica = self._pick(tried)
+                replica = await self._await_recovery()
             if replica is None:
                 break
             if tried:
@@ -538,6 +547,17 @@ class BalancedClient:
         raise NoReplicaAvailableError(
             f"{what}: no replica could serve it; last error: {last_error}; {self._describe()}"
         )
+
+    async def _await_recovery(self) -> _Replica | None:
+        """A healthy replica, tried before in this call or not (one that came back was brought up to date),
+        within config.outage_wait_s; None when none recovered in time."""
+        deadline = time.monotonic() + self.config.outage_wait_s
+        while True:
+            await self.check_health()
+            replica = self._pick(set())
+            if replica is not None or time.monotonic() >= deadline:
+                return replica
+            await asyncio.sleep(min(self.config.health_interval_s, max(0.0, deadline - time.monotonic())))
 
     def _pick(self, exclude: set[str]) -> _Replica | None:
         candidates = [r for r in self._replicas if r.healthy and r.client.url not in exclude]

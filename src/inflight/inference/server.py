@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -625,15 +627,21 @@ def serve(
     logprobs_kind: Literal["sampled", "raw"] = "sampled",
     max_lora_rank: int = 16,
     max_logprobs: int = 20,
+    weights_dir: str | None = None,
+    parent_pid: int | None = None,
 ) -> None:
     """Load `model` (a directory or hub id) into an engine of `backend` and serve it until interrupted.
     "vllm" needs the environment `launch/vllm_env.py` builds (vLLM's CPU build pins its own torch and
     transformers) and a model directory in safetensors; `kv_policy` and `device` (cpu, cuda, cuda:N or
     auto) are the built-in engine's only, `logprobs_kind` (the kind it reports under any sampling),
-    `max_lora_rank` and `max_logprobs` vLLM's."""
+    `max_lora_rank` and `max_logprobs` vLLM's. With `weights_dir`, weight and adapter updates by path read
+    only files under it; with `parent_pid`, the server stops when that process (its parent: a launcher)
+    is gone, so that a crashed run leaves no engine holding its memory."""
     from inflight.preflight import bind_port, check_model_dir, serve_on
 
     check_model_dir(model)
+    if parent_pid is not None:
+        stop_with_parent(parent_pid)
     if backend == "builtin":
         from inflight.models.device import resolve_device
 
@@ -652,9 +660,28 @@ def serve(
         )
         from inflight.models import load_tokenizer
 
-        app = create_app(engine, load_tokenizer(model), EngineServerConfig(model_name=model), stop_ids)
+        config = EngineServerConfig(model_name=model, weights_dir=weights_dir)
+        app = create_app(engine, load_tokenizer(model), config, stop_ids)
         # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
         serve_on(sock, app, host, port, log_level=log_level, access_log=False)
+
+
+def stop_with_parent(parent_pid: int, poll_s: float = 0.5, grace_s: float = 10.0) -> None:
+    """From a daemon thread: once this process's parent is no longer `parent_pid` (it died, and the process
+    was handed to init), SIGTERM to this process (uvicorn stops cleanly, the lifespan closes the engine),
+    and after `grace_s` an exit regardless."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        log.warning("the launcher (pid %d) is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:
+        raise UserError(f"--parent-pid {parent_pid} is not this process's parent ({os.getppid()})")
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class ServerThread:

@@ -1,7 +1,8 @@
 """The local launcher (`launcher=local`, the default): the run in this process, and with
 `engine.backend=vllm` a vLLM engine process beside it (`engine_process.py`), started before the run and
-stopped after it, which the pipeline reaches over HTTP as it reaches `pipeline.engine_urls`. Owns only that
-placement; the run itself is `orchestrator/run.py`'s.
+stopped after it (and restarted when it dies, `engine.max_restarts`), which the pipeline reaches over
+HTTP as it reaches `pipeline.engine_urls`. Owns only that placement; the run itself is
+`orchestrator/run.py`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from inflight.config import RunConfig
-from inflight.errors import UserError
 
 if TYPE_CHECKING:
     from inflight.orchestrator.task import Task
@@ -24,15 +24,10 @@ def run_local(cfg: RunConfig, task: Task) -> dict[str, Any]:
     if cfg.engine.backend != "vllm":
         return run(cfg, task)
     assert not cfg.pipeline.engine_urls, "preflight.check_run refuses engine_urls with engine.backend=vllm"
-    from inflight.launch.engine_process import EngineProcess
+    from inflight.launch.engine_process import EngineProcess, check_vllm_model_dir
     from inflight.orchestrator.setup import resolve_model
 
-    model_dir = resolve_model(cfg)
-    if not os.path.isdir(model_dir):
-        raise UserError(
-            f"engine.backend=vllm needs model.path to be a local model directory in safetensors, got "
-            f"{model_dir!r}: download it first (e.g. `huggingface-cli download ID --local-dir DIR`)"
-        )
+    model_dir = check_vllm_model_dir(resolve_model(cfg))
     # Half the cores for the engine, the rest for the trainer: two processes each spinning OpenMP threads
     # on every core slow each other down many times over.
     threads = max(1, (os.cpu_count() or 2) // 2)
@@ -43,8 +38,14 @@ def run_local(cfg: RunConfig, task: Task) -> dict[str, Any]:
         max_batch_size=cfg.engine.max_batch_size,
         max_seq_len_tokens=cfg.engine.max_seq_len_tokens,
         threads=threads,
+        max_restarts=cfg.engine.max_restarts,
     ) as engine:
         print(f"engine.backend=vllm: serving at {engine.url}", file=sys.stderr, flush=True)
         placed = cfg.model_copy(deep=True)
         placed.pipeline.engine_urls = [engine.url]
-        return run(placed, task)
+
+        def restarts() -> dict[str, float]:  # the keys launch/ray.py's ReplicaWatch logs
+            up = float(engine.alive())
+            return {"engine_replica_restarts": float(engine.restarts), "engine_replicas_up": up}
+
+        return run(placed, task, launcher_metrics=restarts)

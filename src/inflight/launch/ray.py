@@ -23,7 +23,7 @@ from inflight.config import EngineConfig, ModelConfig, RayConfig, RunConfig
 from inflight.errors import UserError, describe
 
 if TYPE_CHECKING:
-    from inflight.inference.builtin import BuiltinEngineConfig
+    from inflight.inference.backends import VllmOptions
 
 T = TypeVar("T")
 RAY_MISSING = "launcher=ray needs Ray: pip install 'inflight[ray]'"
@@ -47,6 +47,10 @@ def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
         run_dir = Path(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
         cfg = cfg.model_copy(deep=True)
         cfg.run_dir, cfg.model.path = str(run_dir.resolve()), resolve_model(cfg)
+        if cfg.engine.backend == "vllm":
+            from inflight.launch.engine_process import check_vllm_model_dir
+
+            check_vllm_model_dir(cfg.model.path)
         placement = place(ray, cfg, _portable(target))
         try:
             return placement.run()
@@ -102,13 +106,17 @@ class Placement:
 
 @contextmanager
 def engines_on_ray(
-    engines: Mapping[str, tuple[str, BuiltinEngineConfig]], ray_config: RayConfig, weights_dir: str
+    engines: Mapping[str, tuple[str, EngineConfig]],
+    ray_config: RayConfig,
+    weights_dir: str,
+    vllm: VllmOptions | None = None,
 ) -> Iterator[dict[str, str]]:
     """`inflight serve --launcher ray`: the service's sampling engines placed on a Ray cluster, one
-    `EngineReplica` actor per base model (name -> (model directory, engine config)) on a bundle of its own
-    ({CPU: ray.engine_cpus} + ray.engine_gpus GPU when the engine's device is cuda) in one placement group
-    (ray.strategy); yields name -> URL once every engine serves, and releases actors and group on exit.
-    The service itself (its API and its training) stays in the calling process and reaches them over HTTP."""
+    `EngineReplica` actor per base model (name -> (model directory, engine config: the built-in engine, or
+    vLLM with `vllm`'s options)) on a bundle of its own ({CPU: ray.engine_cpus} + ray.engine_gpus GPU when
+    the engine's device is cuda) in one placement group (ray.strategy); yields name -> URL once every
+    engine serves, and releases actors and group on exit. The service itself (its API and its training)
+    stays in the calling process and reaches them over HTTP."""
     ray = _import_ray()
     from ray.util.placement_group import remove_placement_group
 
@@ -120,11 +128,12 @@ def engines_on_ray(
         try:
             replica_cls = ray.remote(EngineReplica)
             for i, (name, (path, config)) in enumerate(engines.items()):
-                run_cfg = RunConfig(model=ModelConfig(path=path), ray=ray_config)
-                run_cfg.engine = EngineConfig.model_validate(config.model_dump())
+                run_cfg = RunConfig(model=ModelConfig(path=path), ray=ray_config, engine=config)
                 name_on_ray = f"serve-{os.getpid()}:engine-{name}"  # ray.get_actor finds it
                 actors.append(
-                    _start_replica(ray, replica_cls, run_cfg, group, i, shape[i], name_on_ray, weights_dir)
+                    _start_replica(
+                        ray, replica_cls, run_cfg, group, i, shape[i], name_on_ray, weights_dir, vllm
+                    )
                 )
             infos = _replica_infos(ray, actors, ray_config, "serve --launcher ray")
             for name, info in zip(engines, infos, strict=True):
@@ -172,6 +181,7 @@ def _start_replica(
     bundle: dict[str, float],
     name: str,
     weights_dir: str,
+    vllm: VllmOptions | None = None,
 ) -> Any:
     """An `EngineReplica` actor on bundle `index`, serving on a port picked on that node now (so that a
     replica Ray restarts comes back at the same URL)."""
@@ -184,7 +194,7 @@ def _start_replica(
         num_gpus=gpus,
         max_restarts=cfg.ray.max_replica_restarts,
         scheduling_strategy=_on_bundle(group, index),
-    ).remote(_for_actor(cfg, gpus), host, port, weights_dir)
+    ).remote(_for_actor(cfg, gpus), host, port, weights_dir, vllm)
 
 
 def _replica_infos(ray: Any, replicas: list[Any], r: RayConfig, who: str) -> list[ReplicaInfo]:
@@ -287,11 +297,38 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
 
 
 class EngineReplica:
-    """One engine behind HTTP in its own actor: the engine `setup.build_engine` makes from cfg.engine (as
-    the local launcher's), served by `server.create_app` on a `ServerThread`. Ray reruns this constructor
-    when it restarts the actor; the pipeline's client then brings it up to date (weights, adapters)."""
+    """One engine behind HTTP in its own actor. The built-in engine: the one `setup.build_engine` makes from
+    cfg.engine (as the local launcher's), served by `server.create_app` on a `ServerThread`. vLLM
+    (cfg.engine.backend): `serve-engine --backend vllm` in a process of the actor's (`EngineProcess`, in
+    the vLLM environment on this node), restarted on its port when it dies (engine.max_restarts), gone
+    with the actor. Ray reruns this constructor when it restarts the actor; the pipeline's client then
+    brings it up to date (weights, adapters). `info().pid` is the serving process's: a new one is a
+    restart (`ReplicaWatch`)."""
 
-    def __init__(self, cfg: RunConfig, host: str, port: int, weights_dir: str) -> None:
+    def __init__(
+        self, cfg: RunConfig, host: str, port: int, weights_dir: str, vllm: VllmOptions | None = None
+    ) -> None:
+        self.node = host
+        threads = max(1, int(cfg.ray.engine_cpus))
+        if cfg.engine.backend == "vllm":
+            from inflight.launch.engine_process import EngineProcess
+
+            assert cfg.model.path, "run_on_ray and engines_on_ray resolve the model to a directory"
+            self.process: EngineProcess | None = EngineProcess(
+                cfg.model.path,
+                backend="vllm",
+                max_batch_size=cfg.engine.max_batch_size,
+                max_seq_len_tokens=cfg.engine.max_seq_len_tokens,
+                vllm=vllm,
+                host=host,
+                port=port,
+                weights_dir=weights_dir,
+                threads=threads,
+                max_restarts=cfg.engine.max_restarts,
+                start_timeout_s=cfg.ray.replica_start_timeout_s,
+            ).start()
+            self.url = self.process.url
+            return
         import torch
 
         from inflight.inference.server import EngineServerConfig, ServerThread, create_app
@@ -299,17 +336,18 @@ class EngineReplica:
         from inflight.models.chat_template import generation_stop_ids
         from inflight.orchestrator.setup import build_engine, load_policy
 
-        torch.set_num_threads(max(1, int(cfg.ray.engine_cpus)))
+        torch.set_num_threads(threads)
         model, tokenizer = load_policy(cfg)
         engine = build_engine(cfg, model, tokenizer)
         # Requests may read weights only from the run's weights directory.
         server_cfg = EngineServerConfig(model_name=str(cfg.model.path), weights_dir=weights_dir)
         app = create_app(engine, load_tokenizer(str(cfg.model.path)), server_cfg, generation_stop_ids(model))
-        self.server = ServerThread(app, host=host, port=port).start()
-        self.node = host
+        self.process, self.server = None, ServerThread(app, host=host, port=port).start()
+        self.url = self.server.url
 
     def info(self) -> ReplicaInfo:
-        return ReplicaInfo(self.server.url, os.getpid(), self.node)
+        pid = os.getpid() if self.process is None else self.process.pid
+        return ReplicaInfo(self.url, pid if pid is not None else -1, self.node)
 
 
 class RunDriver:
