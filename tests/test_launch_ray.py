@@ -8,6 +8,7 @@ tolerance (an actor with max_restarts is re-created by rerunning its constructor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -241,6 +242,56 @@ def metrics_rows_or_none(run_dir: Path) -> list[dict[str, Any]] | None:
         return metrics_rows(run_dir, "train")
     except (OSError, json.JSONDecodeError):  # not written yet, or a line half written
         return None
+
+
+def test_the_code_recipes_sandboxes_run_in_a_verifier_actor(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ray.num_verifier_actors=1`: every sandboxed execution of the code recipe (the warm-up's, the
+    rollouts', the evaluations') runs in the verifier actor's pool, none beside the trainer."""
+    run_dir = tmp_path / "run"
+    summary = run_cli(
+        capsys, "run", "code", "progress=false", f"model.path={tiny_model_dir}", "warmup.sft_steps=2",
+        "warmup.sft_batch_size=4", "grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
+        "eval.num_episodes=2", "launcher=ray", "ray.num_verifier_actors=1", "ray.verifier_cpus=0.5",
+        "ray.engine_cpus=0.5", "--run-dir", str(run_dir),
+    )  # fmt: skip
+    assert summary["steps"] == 2
+    last = metrics_rows(run_dir, "train")[-1]
+    # 2 prompts x 2 samples a step, each reply's tests in the sandbox (a reply without code runs none).
+    assert last["verifiers/completed"] == last["verifiers/submitted"] > 0, last
+    assert last["verifiers/actor_failures"] == last["verifiers/wait_timeouts"] == 0, last
+    wait_until_released(ray_cluster)
+
+
+def test_a_verifier_actors_job_outlives_a_restart_and_a_dead_actor_is_a_counted_result(
+    ray_cluster: Any,
+) -> None:
+    """Killed while a job runs, the actor is restarted by Ray and the job runs again there (a sandbox is
+    throwaway); killed for good, a job is one "sandbox_error" result, counted, not an exception."""
+    from inflight.launch.ray import VERIFIER_TASK_RETRIES, RayVerifiers, VerifierActor
+
+    actor = (
+        ray_cluster.remote(VerifierActor)
+        .options(max_restarts=-1, max_task_retries=VERIFIER_TASK_RETRIES, max_concurrency=2)
+        .remote(1)
+    )
+    verifiers = RayVerifiers([actor])
+    try:
+        assert verifiers.run_many(["print(6 * 7)"])[0].stdout == "42\n"
+        killer = threading.Timer(1.5, ray_cluster.kill, (actor,), {"no_restart": False})
+        killer.start()
+        slow = verifiers.run_many(["import time; time.sleep(4); print('slow')"])[0]
+        killer.join()
+        assert slow.ok and slow.stdout == "slow\n", slow
+        counts = verifiers.metrics()
+        assert counts["verifiers/completed"] == 2 and counts["verifiers/actor_failures"] == 0, counts
+        ray_cluster.kill(actor, no_restart=True)
+        lost = asyncio.run(verifiers.run("print('never')"))
+        assert not lost.ok and lost.reason == "sandbox_error" and "verifier actor failed" in lost.stderr
+        assert verifiers.metrics()["verifiers/actor_failures"] == 1
+    finally:
+        ray_cluster.kill(actor, no_restart=True)
 
 
 def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(

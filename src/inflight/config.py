@@ -153,6 +153,11 @@ class RayConfig(_Config):
     # weight, gradient and AdamW moment (FSDP2, trainer/fsdp.py), for a model whose training state does not
     # fit one device. fsdp: full-parameter training, no KL penalty, ray.num_trainer_ranks >= 2.
     trainer_sharding: Literal["replicated", "fsdp"] = "replicated"
+    # Verifier actors: each a sandbox pool (envs/sandbox/pool.py) on a CPU bundle of its own, running the
+    # sandboxed code of the run's environments (code tests, tool calls) instead of the run's own actor;
+    # each runs max(1, round(verifier_cpus)) sandboxes at once. 0: the sandboxes run in the run's actor.
+    num_verifier_actors: int = Field(default=0, ge=0)
+    verifier_cpus: float = Field(default=1.0, gt=0)
     # GPUs per bundle where engine.device / trainer.device is cuda (or auto on a cluster with GPUs); a
     # fraction lets replicas or the trainer share one GPU.
     engine_gpus: float = Field(default=1.0, gt=0)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inflight.envs.base import Environment, State, TextAction, TextObservation
-from inflight.envs.sandbox import SandboxLimits, SandboxResult, VerifierPool, default_pool, merge_limits
+from inflight.envs.sandbox import SandboxLimits, SandboxResult, Verifier, default_pool, merge_limits
 from inflight.errors import UserError
 
 PROBLEMS_PATH = Path(__file__).parent / "data" / "code_problems.jsonl"
@@ -190,7 +190,7 @@ class CodeEnv(Environment[TextAction, CodeObservation, CodeState]):
         split: Literal["train", "test", "all"] = "all",
         problems_path: str | Path | None = None,
         limits: SandboxLimits | dict[str, Any] | None = None,  # a dict comes from a run config
-        pool: VerifierPool | None = None,
+        pool: Verifier | None = None,
         seed: int | None = None,
     ) -> None:
         if split not in ("train", "test", "all"):
@@ -207,7 +207,7 @@ class CodeEnv(Environment[TextAction, CodeObservation, CodeState]):
         self._counters = dict.fromkeys(COUNTERS, 0)
 
     @property
-    def pool(self) -> VerifierPool:
+    def pool(self) -> Verifier:
         if self._pool is None:
             self._pool = default_pool()  # created on first use: building the env starts no sandbox
         return self._pool

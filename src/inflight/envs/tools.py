@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from inflight.envs.base import Environment, State, TextAction, TextObservation
 from inflight.envs.code import extract_code
-from inflight.envs.sandbox import SandboxLimits, SandboxResult, VerifierPool, default_pool, merge_limits
+from inflight.envs.sandbox import SandboxLimits, SandboxResult, Verifier, default_pool, merge_limits
 from inflight.errors import UserError
 
 # Per execution (one unit test, one tool call): small programs that finish in well under a second.
@@ -179,7 +179,7 @@ class ToolsEnv(Environment[TextAction, ToolsObservation, ToolsState]):
         kinds: list[str] | str | None = None,
         format_penalty: float = 0.0,
         limits: SandboxLimits | dict[str, Any] | None = None,  # a dict comes from a run config
-        pool: VerifierPool | None = None,
+        pool: Verifier | None = None,
         seed: int | None = None,
     ) -> None:
         if max_tool_calls < 0:
@@ -197,7 +197,7 @@ class ToolsEnv(Environment[TextAction, ToolsObservation, ToolsState]):
         self._counters = dict.fromkeys(COUNTERS, 0)
 
     @property
-    def pool(self) -> VerifierPool:
+    def pool(self) -> Verifier:
         if self._pool is None:
             self._pool = default_pool()
         return self._pool

@@ -8,27 +8,31 @@ restart, the pipeline's client's to route around and update, and `ReplicaWatch`'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from inflight.config import EngineConfig, ModelConfig, RayConfig, RunConfig
+from inflight.envs.sandbox.pool import KILL_GRACE_S
 from inflight.errors import UserError, describe
 
 if TYPE_CHECKING:
+    from inflight.envs.sandbox import Isolation, SandboxLimits, SandboxResult, VerifierPoolConfig
     from inflight.inference.backends import VllmOptions
 
 T = TypeVar("T")
 RAY_MISSING = "launcher=ray needs Ray: pip install 'inflight[ray]'"
 COLLECTIVE_FAILURE_WAIT_S = 30.0  # after a collective broke here, how long the other ranks get to say why
 WATCH_INTERVAL_S = 1.0  # how often the trainer's actor asks each replica which process serves it
+VERIFIER_TASK_RETRIES = 2  # how often Ray runs a job again on a verifier actor it restarted
 
 
 def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
@@ -77,12 +81,15 @@ class Placement:
     cfg: RunConfig
     target: str
     ranks: list[Any]  # the trainer ranks after the run's own (rank 0): ray.num_trainer_ranks - 1 actors
+    verifiers: list[Any]  # ray.num_verifier_actors VerifierActor actors
 
     def run(self) -> dict[str, Any]:
         exceptions = self.ray.exceptions
         try:
             return self.ray.get(
-                self.driver.run.remote(self.cfg, self.target, self.replicas, self.infos, self.ranks)
+                self.driver.run.remote(
+                    self.cfg, self.target, self.replicas, self.infos, self.ranks, self.verifiers
+                )
             )
         except exceptions.RayTaskError as e:
             if isinstance(e.cause, UserError):  # bad input found inside the actor: still one line
@@ -96,7 +103,7 @@ class Placement:
 
     def release(self) -> None:
         """The run's actors and its reservation go; the cluster stays (unless this launcher started it)."""
-        for actor in [self.driver, *self.ranks, *self.replicas]:
+        for actor in [self.driver, *self.ranks, *self.replicas, *self.verifiers]:
             if actor is not None:
                 self.ray.kill(actor, no_restart=True)
         from ray.util.placement_group import remove_placement_group
@@ -215,14 +222,19 @@ def _replica_infos(ray: Any, replicas: list[Any], r: RayConfig, who: str) -> lis
 
 def bundles(cfg: RunConfig, cluster_has_gpus: bool) -> list[dict[str, float]]:
     """The placement group's bundles: one per engine replica, then one per trainer rank (the first is the
-    run's own). A GPU (or the fraction ray.*_gpus) where the component's device is cuda ("auto": where the
-    cluster has GPUs)."""
+    run's own), then one per verifier actor (CPU only). A GPU (or the fraction ray.*_gpus) where the
+    component's device is cuda ("auto": where the cluster has GPUs)."""
     r = cfg.ray
     engine = _engine_bundle(r, cfg.engine.device, cluster_has_gpus)
     trainer = {"CPU": r.trainer_cpus} | (
         {"GPU": r.trainer_gpus} if _on_gpu(cfg.trainer.device, cluster_has_gpus) else {}
     )
-    return [engine] * r.num_engine_replicas + [trainer] * r.num_trainer_ranks
+    verifier = {"CPU": r.verifier_cpus}
+    return (
+        [engine] * r.num_engine_replicas
+        + [trainer] * r.num_trainer_ranks
+        + [verifier] * r.num_verifier_actors
+    )
 
 
 def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
@@ -237,19 +249,24 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
                        or in the request bodies (`pipeline.weight_transport`)
         bundle N+k     data-parallel trainer rank k (k < ray.num_trainer_ranks): an actor holding a replica of
                        the trainer (`TrainerRank`); the run's actor is rank 0 and drives every step
+        bundle N+R+j   verifier actor j (j < ray.num_verifier_actors): a sandbox pool (`VerifierActor`) the
+                       run's environments send their sandboxed code to (`RayVerifiers`, the run's default)
 
     The rollouts, the stream and the trainer share one process, so the default file stream in the run
     directory serves any cluster; only the weight files and the model need storage every node can read.
     """
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     shape = bundles(cfg, has_gpus)
-    fix = "Lower ray.num_engine_replicas, ray.engine_cpus or ray.trainer_cpus, or add nodes"
+    fix = (
+        "Lower ray.num_engine_replicas, ray.engine_cpus, ray.trainer_cpus or ray.num_verifier_actors, or "
+        "add nodes"
+    )
     group = _reserve(ray, shape, cfg.ray, "launcher=ray", fix)
 
     def on_bundle(index: int) -> Any:
         return _on_bundle(group, index)
 
-    placed = Placement(ray, group, [], [], None, cfg, target, [])
+    placed = Placement(ray, group, [], [], None, cfg, target, [], [])
     try:
         _start_actors(ray, placed, shape, on_bundle)
     except BaseException:
@@ -291,6 +308,19 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
                 num_gpus=shape[n + k].get("GPU", 0.0),
                 scheduling_strategy=on_bundle(n + k),
             ).remote()
+        )
+    verifier_cls, first = ray.remote(VerifierActor), n + cfg.ray.num_trainer_ranks
+    for j in range(cfg.ray.num_verifier_actors):
+        concurrency = max(1, round(cfg.ray.verifier_cpus))
+        placed.verifiers.append(
+            verifier_cls.options(
+                name=f"{run_dir.name}:verifier-{j}",
+                num_cpus=shape[first + j]["CPU"],
+                max_concurrency=concurrency + 1,  # its sandboxes, and a stats() call beside them
+                max_restarts=-1,  # stateless: always worth restarting
+                max_task_retries=VERIFIER_TASK_RETRIES,
+                scheduling_strategy=on_bundle(first + j),
+            ).remote(concurrency)
         )
     placed.infos = _replica_infos(ray, placed.replicas, cfg.ray, f"launcher=ray (loading {cfg.model.path})")
     placed.cfg = _for_actor(cfg, shape[n].get("GPU", 0.0), engine_urls=[info.url for info in placed.infos])
@@ -360,7 +390,9 @@ class RunDriver:
         replicas: list[Any],
         infos: list[ReplicaInfo],
         ranks: list[Any],
+        verifiers: list[Any],
     ) -> dict[str, Any]:
+        from inflight.envs.sandbox import set_default_pool
         from inflight.orchestrator.run import run
         from inflight.orchestrator.target import resolve_target
 
@@ -370,15 +402,24 @@ class RunDriver:
             made.append(RankedTrainer(cfg, model, tokenizer, ranks))
             return made[-1]
 
+        remote = RayVerifiers(verifiers) if verifiers else None
+        if remote is not None:  # every environment's sandboxes (default_pool) go to the verifier actors
+            set_default_pool(remote)
         try:
             with ReplicaWatch(replicas, infos) as watch:
+
+                def metrics() -> dict[str, float]:
+                    return watch.metrics() | ({} if remote is None else remote.metrics())
+
                 return run(
                     cfg,
                     resolve_target(target),
-                    launcher_metrics=watch.metrics,
+                    launcher_metrics=metrics,
                     make_trainer=ranked if ranks else None,
                 )
         finally:
+            if remote is not None:
+                set_default_pool(None)
             for trainer in made:
                 trainer.close()
 
@@ -578,6 +619,122 @@ class ReplicaWatch:
                 if pid != self._pids[i]:
                     self._restarts += 1
                     self._pids[i] = pid
+
+
+class VerifierActor:
+    """A sandbox pool (`envs/sandbox/pool.py`'s VerifierPool, `concurrency` workers) on a CPU bundle of its
+    own: the sandboxed code of the run's environments runs here, not beside the trainer. Stateless, so Ray
+    restarts it whenever it dies; `RayVerifiers` is its client."""
+
+    def __init__(self, concurrency: int) -> None:
+        from inflight.envs.sandbox import VerifierPool
+
+        self.pool = VerifierPool(concurrency=concurrency)
+
+    def run(self, code: str, stdin: str, limits: SandboxLimits | None) -> SandboxResult:
+        return self.pool.run_many([code], stdin=stdin, limits=limits)[0]
+
+    def isolation(self) -> Isolation:
+        return self.pool.isolation
+
+    def stats(self) -> dict[str, int]:
+        return self.pool.stats()
+
+
+class RayVerifiers:
+    """The `Verifier` protocol (`envs/sandbox/pool.py`) over `VerifierActor`s: each job to the actor with
+    the fewest in flight. A job is bounded as the pool bounds it (queue, wall limit, kill grace). Ray
+    restarts an actor that dies and runs its jobs again there (`VERIFIER_TASK_RETRIES`: a sandbox is
+    throwaway, so a job may run twice); one that still finds no actor, or runs out of time, comes back as
+    a "sandbox_error" / "timeout" result, counted, never as an exception."""
+
+    def __init__(self, actors: list[Any], config: VerifierPoolConfig | None = None) -> None:
+        import ray
+
+        from inflight.envs.sandbox import VerifierPoolConfig
+
+        self._ray, self._actors = ray, actors
+        self.config = config or VerifierPoolConfig()
+        self._in_flight = [0] * len(actors)
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(("submitted", "completed", "actor_failures", "wait_timeouts"), 0)
+        self._isolation = ray.get(actors[0].isolation.remote(), timeout=self.config.queue_timeout_s)
+
+    async def run(self, code: str, *, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
+        import asyncio
+
+        index, ref = self._submit(code, stdin, limits)
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._bound_s(limits))
+        except BaseException as exc:
+            return self._failed(index, ref, exc)
+        return self._done(index, result)
+
+    def run_many(
+        self, codes: Sequence[str], *, stdin: str = "", limits: SandboxLimits | None = None
+    ) -> list[SandboxResult]:
+        deadline = time.monotonic() + self._bound_s(limits)
+        results = []
+        for index, ref in [self._submit(code, stdin, limits) for code in codes]:
+            try:
+                result = self._ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except Exception as exc:
+                results.append(self._failed(index, ref, exc))
+            else:
+                results.append(self._done(index, result))
+        return results
+
+    def stats(self) -> dict[str, int]:
+        """This client's counters, and the actors' pools' summed (those that answer within 10 s)."""
+        refs = [actor.stats.remote() for actor in self._actors]
+        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=10)
+        total: dict[str, int] = {}
+        for ref in ready:
+            with contextlib.suppress(self._ray.exceptions.RayError):
+                for key, value in self._ray.get(ref).items():
+                    total[key] = total.get(key, 0) + value
+        with self._lock:
+            return total | {f"client_{key}": value for key, value in self._counts.items()}
+
+    def metrics(self) -> dict[str, float]:
+        """For the run's metrics, without asking the actors: jobs sent, finished, and lost."""
+        with self._lock:
+            return {f"verifiers/{key}": float(value) for key, value in self._counts.items()}
+
+    def _bound_s(self, limits: SandboxLimits | None) -> float:
+        wall_s = min((limits or self.config.limits).wall_s, self.config.job_timeout_s)
+        return self.config.queue_timeout_s + wall_s + KILL_GRACE_S
+
+    def _submit(self, code: str, stdin: str, limits: SandboxLimits | None) -> tuple[int, Any]:
+        with self._lock:
+            index = min(range(len(self._actors)), key=self._in_flight.__getitem__)
+            self._in_flight[index] += 1
+            self._counts["submitted"] += 1
+        return index, self._actors[index].run.remote(code, stdin, limits)
+
+    def _done(self, index: int, result: SandboxResult) -> SandboxResult:
+        with self._lock:
+            self._in_flight[index] -= 1
+            self._counts["completed"] += 1
+        return result
+
+    def _failed(self, index: int, ref: Any, exc: BaseException) -> SandboxResult:
+        from inflight.envs.sandbox import SandboxResult
+
+        timed_out = isinstance(exc, TimeoutError | self._ray.exceptions.GetTimeoutError)
+        with self._lock:
+            self._in_flight[index] -= 1
+            self._counts["wait_timeouts" if timed_out else "actor_failures"] += 1
+        if timed_out:
+            self._ray.cancel(ref, force=False)
+            return SandboxResult.not_run(
+                "timeout", "verifier actor: no result within the pool's bound", self._isolation
+            )
+        if isinstance(exc, Exception):
+            return SandboxResult.not_run(
+                "sandbox_error", f"verifier actor failed: {describe(exc)}", self._isolation
+            )
+        raise exc  # a cancellation of the caller, say: not ours to swallow
 
 
 def _for_actor(cfg: RunConfig, gpus: float, engine_urls: list[str] | None = None) -> RunConfig:

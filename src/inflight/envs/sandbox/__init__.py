@@ -20,7 +20,13 @@ from inflight.envs.sandbox.limits import (
     merge_limits,
 )
 from inflight.envs.sandbox.memory_bound import detect_memory_bound, resolve_memory_bound
-from inflight.envs.sandbox.pool import VerifierPool, VerifierPoolConfig, default_pool
+from inflight.envs.sandbox.pool import (
+    Verifier,
+    VerifierPool,
+    VerifierPoolConfig,
+    default_pool,
+    set_default_pool,
+)
 from inflight.envs.sandbox.result import RLIMIT_WARNING, Reason, SandboxResult, classify
 from inflight.envs.sandbox.runner import bwrap_problem, detect_isolation, resolve_isolation, run_python
 
@@ -33,6 +39,7 @@ __all__ = [
     "Reason",
     "SandboxLimits",
     "SandboxResult",
+    "Verifier",
     "VerifierPool",
     "VerifierPoolConfig",
     "bwrap_problem",
@@ -44,4 +51,5 @@ __all__ = [
     "resolve_isolation",
     "resolve_memory_bound",
     "run_python",
+    "set_default_pool",
 ]

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +31,21 @@ COUNTERS = (
     "max_in_flight",
 )  # fmt: skip
 KILL_GRACE_S = 10.0  # beyond a job's wall limit: killing the process tree and cleaning up
+
+
+class Verifier(Protocol):
+    """What environments need of whoever runs their sandboxed code: `VerifierPool` in this process, or
+    `launch/ray.py`'s `RayVerifiers` over pools in actors of their own (`ray.num_verifier_actors`)."""
+
+    async def run(
+        self, code: str, *, stdin: str = "", limits: SandboxLimits | None = None
+    ) -> SandboxResult: ...
+
+    def run_many(
+        self, codes: Sequence[str], *, stdin: str = "", limits: SandboxLimits | None = None
+    ) -> list[SandboxResult]: ...
+
+    def stats(self) -> dict[str, int]: ...
 
 
 class VerifierPoolConfig(BaseModel):
@@ -164,14 +179,24 @@ class VerifierPool:
             self._counters[name] += 1
 
 
-_default: VerifierPool | None = None
+_default: Verifier | None = None
 _default_lock = threading.Lock()
 
 
-def default_pool() -> VerifierPool:
-    """The process-wide pool environments share unless given their own: one worker per core, up to 8."""
+def default_pool() -> Verifier:
+    """The process-wide verifier environments share unless given their own: the one `set_default_pool`
+    installed, else a pool of one worker per core, up to 8, made on first use."""
     global _default
     with _default_lock:
         if _default is None:
             _default = VerifierPool(concurrency=min(8, os.cpu_count() or 1))
         return _default
+
+
+def set_default_pool(verifier: Verifier | None) -> Verifier | None:
+    """Make `verifier` what `default_pool()` returns from now on (None: a local pool again, on next use);
+    returns the one it replaces. A launcher's hook: `launcher=ray` sends the run's sandboxes to actors."""
+    global _default
+    with _default_lock:
+        previous, _default = _default, verifier
+        return previous
