@@ -402,9 +402,11 @@ def test_serve_places_its_sampling_engine_on_ray(
     engine: str, ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """`inflight serve --launcher ray [--engine vllm]`: the base model's sampling engine (built-in, or a vLLM
-    process) is in an actor on the cluster, the API and training stay here. Driven by the tinker SDK: an
-    adapter trained here, then sampled and scored on the actor, equal to the trainer's logprobs (float32).
-    vLLM cannot adapt this model's LM head (Qwen2), so its adapter trains the projections only."""
+    process) is in an actor on the cluster, and so is the training (the service's compute: adapters,
+    optimizers, checkpoints); the API and the futures database stay here. Driven by the tinker SDK: an
+    adapter trained on the trainer's actor, saved, then sampled and scored on the engine's actor, equal to
+    the trainer's logprobs (float32). vLLM cannot adapt this model's LM head (Qwen2), so its adapter trains
+    the projections only."""
     import tinker
 
     from conftest import require_vllm_env, sdk_server
@@ -428,8 +430,9 @@ def test_serve_places_its_sampling_engine_on_ray(
         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
     )
     with sdk_server(config) as server:
-        engines = [n for n in ray_cluster.util.list_named_actors() if n.endswith(":engine-tiny")]
-        assert len(engines) == 1, ray_cluster.util.list_named_actors()
+        actors = ray_cluster.util.list_named_actors()
+        assert sum(n.endswith(":engine-tiny") for n in actors) == 1, actors
+        assert sum(n.endswith(":trainer") for n in actors) == 1, actors
         service = tinker.ServiceClient(base_url=server.url)
         training = service.create_lora_training_client(
             base_model="tiny", rank=8, seed=0, train_unembed=engine != "vllm"
@@ -448,7 +451,32 @@ def test_serve_places_its_sampling_engine_on_ray(
     assert on_ray[0] is None and max(abs(a - b) for a, b in zip(on_ray[1:], trained, strict=True)) < 1e-4
     for sequence in sampled.sequences:  # no stop given: Tinker's EOS stop, else max_tokens
         assert 1 <= len(sequence.tokens) <= 6 and len(sequence.logprobs or []) == len(sequence.tokens)
-    assert not [n for n in ray_cluster.util.list_named_actors() if n.endswith(":engine-tiny")]
+    left = ray_cluster.util.list_named_actors()
+    assert not [n for n in left if n.endswith((":engine-tiny", ":trainer"))], left
+    wait_until_released(ray_cluster)
+
+
+def test_the_services_training_actor_raises_its_errors_as_they_are(
+    ray_cluster: Any, tiny_model_dir: Path
+) -> None:
+    """RayCompute: a UserError in the actor (a 4xx for the client) is a UserError here; a lost actor is one
+    RuntimeError naming it, not a hang."""
+    from inflight.api.compute import ServiceComputeConfig
+    from inflight.api.job_types import LoraSpec
+    from inflight.config import RayConfig
+    from inflight.launch.ray import compute_on_ray
+
+    settings = ServiceComputeConfig(dtype="float32", sampling_engine=False)
+    with compute_on_ray({"tiny": str(tiny_model_dir)}, 16, settings, RayConfig()) as compute:
+        assert compute.base_model_names() == ["tiny"] and compute.config.dtype == "float32"
+        compute.create_adapter("m", "tiny", LoraSpec(rank=8, seed=0))
+        assert compute.has_adapter("m")
+        with pytest.raises(UserError, match="already exists"):
+            compute.create_adapter("m", "tiny", LoraSpec(rank=8, seed=0))
+        [name] = [n for n in ray_cluster.util.list_named_actors() if n.endswith(":trainer")]
+        ray_cluster.kill(ray_cluster.get_actor(name))
+        with pytest.raises(RuntimeError, match="the service's training actor is gone"):
+            compute.has_adapter("m")
     wait_until_released(ray_cluster)
 
 

@@ -251,10 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--launcher",
         choices=["local", "ray"],
         default="local",
-        help="local: sampling in this process (or vLLM processes beside it); ray: each base model's "
-        "sampling engine (built-in or vLLM) in an actor on a Ray cluster (GPU bundles when --device is "
-        "cuda; needs `pip install 'inflight[ray]'`), reached over HTTP; the API and training stay in this "
-        "process",
+        help="local: sampling and training in this process (or vLLM processes beside it); ray: each base "
+        "model's sampling engine (built-in or vLLM) in an actor on a Ray cluster, reached over HTTP, and the "
+        "training in an actor of its own (GPU bundles when --device is cuda; needs `pip install "
+        "'inflight[ray]'`); the API and the futures database stay in this process",
     )
     serve.add_argument(
         "--ray-address",

@@ -54,7 +54,7 @@ from inflight.types import DtypeName
 if TYPE_CHECKING:
     import uvicorn
 
-    from inflight.api.compute import ServiceCompute
+    from inflight.api.compute import Compute, ServiceCompute, ServiceComputeConfig
     from inflight.api.sampler import Sampler
     from inflight.inference.backends import VllmOptions
 
@@ -125,18 +125,26 @@ def _start(
     metrics: ServiceMetrics,
 ) -> tuple[ServiceState, EngineWorker, Sampler, contextlib.ExitStack]:
     config.state_dir.mkdir(parents=True, exist_ok=True)
-    if compute is None:
-        compute = load_compute(config)
     from inflight.api.sampler import build_sampler  # torch: imported when the service starts
 
-    # What samples outside this process (vLLM processes, Ray actors): released at shutdown, or here at once
-    # when starting fails after they started.
+    # What computes outside this process (vLLM processes, Ray actors): released at shutdown, or here at
+    # once when starting fails after they started.
     with contextlib.ExitStack() as starting:
-        if config.engine == "vllm" or config.launcher == "ray":
-            sampler = _remote_sampler(config, compute, starting)
+        placed: Compute
+        if compute is not None:
+            placed = compute
+        elif config.launcher == "ray":
+            placed = _compute_on_ray(config, starting)
         else:
-            sampler = build_sampler(compute.sampling_engines())
-        base_models = {name: _base_model_info(compute, name) for name in compute.base_model_names()}
+            placed = load_compute(config)
+        if config.engine == "vllm" or config.launcher == "ray":
+            sampler = _remote_sampler(config, placed, starting)
+        else:
+            from inflight.api.compute import ServiceCompute
+
+            assert isinstance(placed, ServiceCompute), "in-process sampling needs the compute in-process"
+            sampler = build_sampler(placed.sampling_engines())
+        base_models = {name: _base_model_info(placed, name) for name in placed.base_model_names()}
         db = Database(config.database_url)
         checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
         board = CompletionBoard()
@@ -146,7 +154,7 @@ def _start(
             max_topk_logprobs=config.max_topk_logprobs,
         )
         worker = EngineWorker(
-            compute,
+            placed,
             sampler,
             db,
             checkpoints,
@@ -173,7 +181,7 @@ def _start(
     return state, worker, sampler, engines
 
 
-def _remote_sampler(config: ServiceConfig, compute: ServiceCompute, engines: contextlib.ExitStack) -> Sampler:
+def _remote_sampler(config: ServiceConfig, compute: Compute, engines: contextlib.ExitStack) -> Sampler:
     """Per base model a sampling engine outside this process, and the sampler over them: with
     --launcher ray an actor on the cluster (`launch/ray.py`'s engines_on_ray), else a `serve-engine
     --backend vllm` process beside the service; each on `engines` as it starts (closing that stops them).
@@ -209,7 +217,7 @@ def _remote_sampler(config: ServiceConfig, compute: ServiceCompute, engines: con
 
 
 def _start_vllm(
-    config: ServiceConfig, compute: ServiceCompute, name: str, max_context: int, engines: contextlib.ExitStack
+    config: ServiceConfig, compute: Compute, name: str, max_context: int, engines: contextlib.ExitStack
 ) -> str:
     """Base model `name`'s `serve-engine --backend vllm` process, started (closed with `engines`); its URL."""
     from inflight.launch.engine_process import EngineProcess
@@ -246,7 +254,7 @@ def _vllm_rank(max_rank: int) -> int:
     return rank
 
 
-def _base_model_info(compute: ServiceCompute, name: str) -> BaseModelInfo:
+def _base_model_info(compute: Compute, name: str) -> BaseModelInfo:
     info: dict[str, Any] = compute.model_info(name)
     return BaseModelInfo(
         name=name,
@@ -320,7 +328,8 @@ def serve(
     for path in base_models.values():
         check_model_dir(path)
     with contextlib.closing(bind_port(host, port)) as sock:
-        app = create_app(config, compute=load_compute(config))
+        # Loaded before uvicorn starts, so that a model that fails to load is one line (on Ray: at start).
+        app = create_app(config, compute=load_compute(config) if launcher == "local" else None)
         _log_requests_to_stdout()
         serve_on(
             sock,
@@ -349,15 +358,27 @@ def _log_requests_to_stdout() -> None:
 
 
 def load_compute(config: ServiceConfig) -> ServiceCompute:
-    """The base models of `config`, loaded (torch + transformers are imported here, not at import time)."""
-    from inflight.api.compute import ServiceCompute, ServiceComputeConfig
+    """The base models of `config`, loaded in this process (torch and transformers are imported here, not
+    at import time)."""
+    from inflight.api.compute import ServiceCompute
+
+    return ServiceCompute(config.base_models, max_rank=config.max_lora_rank, config=_compute_config(config))
+
+
+def _compute_on_ray(config: ServiceConfig, placed: contextlib.ExitStack) -> Compute:
+    """--launcher ray: the base models loaded in an actor on the cluster (`launch/ray.py`'s compute_on_ray,
+    released with `placed`)."""
+    from inflight.launch.ray import compute_on_ray
+
+    on_ray = compute_on_ray(config.base_models, config.max_lora_rank, _compute_config(config), config.ray)
+    return placed.enter_context(on_ray)
+
+
+def _compute_config(config: ServiceConfig) -> ServiceComputeConfig:
+    from inflight.api.compute import ServiceComputeConfig
 
     in_process = config.engine == "builtin" and config.launcher == "local"
-    return ServiceCompute(
-        config.base_models,
-        max_rank=config.max_lora_rank,
-        config=ServiceComputeConfig(dtype=config.dtype, device=config.device, sampling_engine=in_process),
-    )
+    return ServiceComputeConfig(dtype=config.dtype, device=config.device, sampling_engine=in_process)
 
 
 class BackgroundServer:

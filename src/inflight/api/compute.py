@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -73,6 +73,48 @@ class ServiceComputeConfig(BaseModel):
     # False: no sampling engine in this process (another samples: `inflight serve --engine vllm`).
     sampling_engine: bool = True
     seed: int | None = None  # generator of unseeded samples; None = nondeterministic
+
+
+class Compute(Protocol):
+    """The compute as the worker and the app drive it: `ServiceCompute` in the serving process, or
+    `launch/ray.py`'s `RayCompute` forwarding each call to one in an actor (`inflight serve --launcher
+    ray`). Paths name the service's state directory, which both must see. The in-process sampling engines
+    (`ServiceCompute.sampling_engines`) are not part of it: only a compute in the serving process has them."""
+
+    @property
+    def config(self) -> ServiceComputeConfig: ...
+
+    def base_model_names(self) -> list[str]: ...
+
+    def tokenizer_dir(self, base_model: str) -> str: ...
+
+    def model_info(self, base_model: str) -> dict[str, Any]: ...
+
+    def create_adapter(self, model_id: str, base_model: str, lora: LoraSpec) -> None: ...
+
+    def has_adapter(self, model_id: str) -> bool: ...
+
+    def delete_adapter(self, model_id: str) -> None: ...
+
+    def forward_backward(self, jobs: list[ForwardBackwardJob]) -> list[ForwardBackwardOutput | Exception]: ...
+
+    def optim_step(self, step: OptimStep) -> dict[str, float]: ...
+
+    def sampling_limits(self) -> dict[str, SamplingLimits]: ...
+
+    def sampling_config(self, base_model: str) -> BuiltinEngineConfig: ...
+
+    def sample_only_on(self, base_model: str, modules: Sequence[str]) -> None: ...
+
+    def sampler_update(self, model_id: str, key: str) -> AdapterUpdate: ...
+
+    def read_sampler_update(self, key: str, path: Path) -> tuple[str, AdapterUpdate]: ...
+
+    def save_state(self, model_id: str, path: Path, include_optimizer: bool = True) -> int: ...
+
+    def save_sampler_weights(self, model_id: str, path: Path) -> int: ...
+
+    def load_state(self, model_id: str, path: Path, load_optimizer: bool) -> None: ...
 
 
 @dataclass

@@ -47,9 +47,10 @@ class ServiceConfig(BaseModel):
     # Who samples: the built-in engine in this process, or per base model an `inflight serve-engine
     # --backend vllm` process this service starts (vLLM's CPU build; `launch/vllm_env.py`), reached over HTTP.
     engine: Literal["builtin", "vllm"] = "builtin"
-    # local: the sampling engines in this process (or, with vLLM, processes beside it); ray: the engines
-    # (built-in, or vLLM processes) in actors on a Ray cluster (`launch/ray.py`'s engines_on_ray, placed as
-    # `ray` says), reached over HTTP. The API and the training stay in this process either way.
+    # local: the sampling engines and the training in this process (or, with vLLM, processes beside it);
+    # ray: the engines (built-in, or vLLM processes) in actors on a Ray cluster, reached over HTTP, and the
+    # training in an actor of its own (`launch/ray.py`'s engines_on_ray and compute_on_ray, placed as `ray`
+    # says). The API and the futures database stay in this process either way.
     launcher: Literal["local", "ray"] = "local"
     ray: RayConfig = Field(default_factory=RayConfig)
     default_max_tokens: int = Field(default=256, ge=1)  # when a sample request names no max_tokens

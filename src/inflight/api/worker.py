@@ -65,7 +65,7 @@ from inflight.api.schemas import (
 from inflight.errors import UserError
 
 if TYPE_CHECKING:
-    from inflight.api.compute import ServiceCompute
+    from inflight.api.compute import Compute
     from inflight.api.job_types import ForwardBackwardJob, SampleOutput
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class ModelUnavailableError(RuntimeError):
 class EngineWorker:
     def __init__(
         self,
-        compute: ServiceCompute,
+        compute: Compute,
         sampler: Sampler,
         db: Database,
         checkpoints: CheckpointStore,
