@@ -67,10 +67,10 @@ def test_train_on_one_base_while_sampling_and_scoring_another(
 ) -> None:
     server, loads = served
     service = tinker.ServiceClient(base_url=server.url)
-    capabilities = service.get_server_capabilities()
+    capabilities = tinker.RestClient(base_url=server.url).get_server_capabilities().result()
     assert {m.model_name for m in capabilities.supported_models} >= {"policy", "reference"}
     training = service.create_lora_training_client(base_model="policy", rank=8, seed=0).result()
-    reference = service.create_sampling_client(base_model="reference")
+    reference = service.create_sampling_client(base_model="reference").result()
     prompt = list(range(30, 42))
     for step in range(3):
         # Sample from the reference base, score the samples under it (the KL reference's logprobs), and
