@@ -161,7 +161,7 @@ def test_auto_gives_the_pipeline_a_trainer_process_on_a_multicore_cpu(
     assert wants_trainer_process(RunConfig(mode="async"))
     assert not wants_trainer_process(RunConfig(mode="sync"))  # the sync loop gives each phase both cores
     remote = RunConfig(mode="async", pipeline={"engine_urls": ["http://127.0.0.1:1"]})
-    assert not wants_trainer_process(remote)  # no engine in this process to share a GIL with
+    assert wants_trainer_process(remote)  # the rollouts' event loop would still share the trainer's GIL
     assert not wants_trainer_process(RunConfig(mode="async", pipeline={"trainer_process": False}))
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     assert not wants_trainer_process(RunConfig(mode="async"))

@@ -128,7 +128,7 @@ class PipelineConfig(_Config):
     batch_timeout_s: float = 600.0  # the trainer's wait for a full batch
     torch_threads: int = 1  # per stage: the engine thread and the trainer (thread or process) each get a core
     # The trainer in a process of its own (trainer/process.py): its own GIL and core, the weights shared in
-    # memory. "auto": with an engine in this process on the CPU and at least 2 cores; false: a thread here.
+    # memory. "auto": on the CPU with at least 2 cores (engines here or elsewhere); false: a thread here.
     trainer_process: bool | Literal["auto"] = "auto"
     # With a trainer process, pin it to the last torch_threads CPUs this process may use and the engine's
     # side (its thread, the rollouts' event loop) to the others, so neither side's threads land on the

@@ -128,8 +128,10 @@ def wants_trainer_process(cfg: RunConfig) -> bool:
         resolve_device(device, key).type == "cpu"
         for device, key in ((cfg.trainer.device, "trainer.device"), (cfg.engine.device, "engine.device"))
     )
-    # Replicas elsewhere (pipeline.engine_urls) leave this process's GIL to the trainer already.
-    return cfg.mode == "async" and not cfg.pipeline.engine_urls and on_cpu and (os.cpu_count() or 1) >= 2
+    # Also with the engines elsewhere (pipeline.engine_urls, launcher=ray): the rollouts' event loop, their
+    # HTTP and JSON, still share this process's GIL, and a trainer thread beside it stepped ~1.7x slower
+    # (BlackJack under Ray, docs/benchmarks.md).
+    return cfg.mode == "async" and on_cpu and (os.cpu_count() or 1) >= 2
 
 
 def build_engine(cfg: RunConfig, model: torch.nn.Module, tokenizer: object):  # -> BuiltinEngine
