@@ -480,6 +480,18 @@ def test_the_services_training_actor_raises_its_errors_as_they_are(
     wait_until_released(ray_cluster)
 
 
+def test_a_placement_larger_than_the_local_ray_is_one_line_at_once(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = time.monotonic()
+    argv = ["run", "blackjack", f"model.path={tiny_model_dir}", "launcher=ray", "ray.num_engine_replicas=3"]
+    assert main([*argv, "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs 4 CPUs" in err[0] and "the local Ray has 2" in err[0], err
+    assert "ray.engine_cpus=0.5" in err[0]
+    assert time.monotonic() - start < 60  # not after ray.placement_timeout_s (120 s)
+
+
 def test_placement_bundles_follow_the_devices() -> None:
     cfg = resolve_target("blackjack").config()
     cpu = apply_overrides(cfg, ["ray.num_engine_replicas=2", "ray.engine_cpus=2"])

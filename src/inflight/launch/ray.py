@@ -208,6 +208,12 @@ def _reserve(ray: Any, shape: list[dict[str, float]], r: RayConfig, who: str, fi
     when the cluster cannot hold it within r.placement_timeout_s."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    needed, total = sum(b.get("CPU", 0.0) for b in shape), ray.cluster_resources().get("CPU", 0.0)
+    if r.address is None and needed > total:  # a local Ray never grows: fail now, not after the wait
+        raise UserError(
+            f"{who}: the placement needs {needed:g} CPUs ({shape}) but the local Ray has {total:g} (this "
+            f"machine's). {fix}, e.g. ray.engine_cpus=0.5"
+        )
     group = placement_group(shape, strategy=r.strategy)
     try:
         ray.get(group.ready(), timeout=r.placement_timeout_s)
