@@ -62,6 +62,7 @@ def test_blackjack_samples_from_vllm_on_the_trainers_weights(
     adapter, and every step still samples with the trainer's exact weights."""
     steps = 5
     killed: list[int] = []
+    argvs: list[list[str]] = []
 
     def kill_the_engine_after_the_first_step() -> None:
         deadline = time.monotonic() + 300
@@ -69,6 +70,7 @@ def test_blackjack_samples_from_vllm_on_the_trainers_weights(
             time.sleep(0.1)
         killed.extend(vllm_children())
         for pid in killed:
+            argvs.append((Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0"))
             os.kill(pid, signal.SIGKILL)
 
     if lora:
@@ -86,6 +88,9 @@ def test_blackjack_samples_from_vllm_on_the_trainers_weights(
     assert last["replicas/calls"] > 0 and last["engine_replicas_up"] == 1
     if lora:
         assert len(killed) == 1, killed
+        # The engine reads weights by path only from the run's weights directory.
+        [argv] = argvs
+        assert argv[argv.index("--weights-dir") + 1] == str((tmp_path / "weights").resolve()), argv
         assert last["engine_replica_restarts"] == 1 and last["replicas/recoveries"] >= 1, last
     else:
         assert last["replicas/replica_failures"] == 0 and last["engine_replica_restarts"] == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from inflight.config import RunConfig
@@ -25,9 +26,11 @@ def run_local(cfg: RunConfig, task: Task) -> dict[str, Any]:
         return run(cfg, task)
     assert not cfg.pipeline.engine_urls, "preflight.check_run refuses engine_urls with engine.backend=vllm"
     from inflight.launch.engine_process import EngineProcess, check_vllm_model_dir
-    from inflight.orchestrator.setup import resolve_model
+    from inflight.orchestrator.setup import resolve_model, run_dir_path
 
     model_dir = check_vllm_model_dir(resolve_model(cfg))
+    placed = cfg.model_copy(deep=True)
+    placed.run_dir = str(run_dir_path(cfg).resolve())  # fixed now: the engine reads weights only there
     # Half the cores for the engine, the rest for the trainer: two processes each spinning OpenMP threads
     # on every core slow each other down many times over.
     threads = max(1, (os.cpu_count() or 2) // 2)
@@ -39,9 +42,9 @@ def run_local(cfg: RunConfig, task: Task) -> dict[str, Any]:
         max_seq_len_tokens=cfg.engine.max_seq_len_tokens,
         threads=threads,
         max_restarts=cfg.engine.max_restarts,
+        weights_dir=Path(placed.run_dir) / "weights",
     ) as engine:
         print(f"engine.backend=vllm: serving at {engine.url}", file=sys.stderr, flush=True)
-        placed = cfg.model_copy(deep=True)
         placed.pipeline.engine_urls = [engine.url]
 
         def restarts() -> dict[str, float]:  # the keys launch/ray.py's ReplicaWatch logs

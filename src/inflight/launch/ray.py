@@ -49,13 +49,12 @@ def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
             "unset pipeline.engine_urls"
         )
     ray = _import_ray()
-    from inflight.orchestrator.setup import resolve_model
+    from inflight.orchestrator.setup import resolve_model, run_dir_path
 
     with _cluster(ray, cfg.ray):
         # Every actor must find these from its own working directory: absolute paths, the model built once.
-        run_dir = Path(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
         cfg = cfg.model_copy(deep=True)
-        cfg.run_dir, cfg.model.path = str(run_dir.resolve()), resolve_model(cfg)
+        cfg.run_dir, cfg.model.path = str(run_dir_path(cfg).resolve()), resolve_model(cfg)
         if cfg.engine.backend == "vllm":
             from inflight.launch.engine_process import check_vllm_model_dir
 

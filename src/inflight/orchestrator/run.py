@@ -28,7 +28,14 @@ from inflight.metrics.plot import plot_run
 from inflight.orchestrator.drivers import Driver, InlineDriver
 from inflight.orchestrator.evaluate import evaluate
 from inflight.orchestrator.publish import policy_engine, publish
-from inflight.orchestrator.setup import build_engine, build_loop_trainer, load_policy, make_run_dir, pad_id
+from inflight.orchestrator.setup import (
+    build_engine,
+    build_loop_trainer,
+    load_policy,
+    make_run_dir,
+    pad_id,
+    run_dir_path,
+)
 from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.sync_loop import train as train_sync
 from inflight.orchestrator.task import Task, load_split
@@ -164,7 +171,7 @@ def check_task(cfg: RunConfig, task: Task) -> None:
 def _run_directory(cfg: RunConfig) -> Iterator[Path]:
     """The run directory, created here; removed again if this run made it and fails before its first step
     (a resumed run's directory is never removed)."""
-    path = Path(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
+    path = run_dir_path(cfg)
     fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
     run_dir = make_run_dir(cfg, path)
     try:

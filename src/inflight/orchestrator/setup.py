@@ -44,10 +44,14 @@ def resolve_model(cfg: RunConfig) -> str:
     return str(target)
 
 
+def run_dir_path(cfg: RunConfig) -> Path:
+    """Where the run's directory is: cfg.run_dir, else runs/RECIPE-TIME (now)."""
+    return Path(cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
+
+
 def make_run_dir(cfg: RunConfig, path: str | Path | None = None) -> Path:
-    """`path` (default: cfg.run_dir, else runs/RECIPE-TIME) as a writable directory holding config.json."""
-    path = path or cfg.run_dir or f"runs/{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = ensure_dir(path, "--run-dir")
+    """`path` (default: `run_dir_path(cfg)`) as a writable directory holding config.json."""
+    run_dir = ensure_dir(path or run_dir_path(cfg), "--run-dir")
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
     return run_dir
 
