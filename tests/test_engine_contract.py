@@ -44,8 +44,8 @@ def builtin(runner: str, device: str = "cpu") -> Factory:
         config = BuiltinEngineConfig(
             max_batch_size=batch,
             max_seq_len_tokens=seq_len,
-            runner=runner,
-            device=device,  # type: ignore[arg-type]
+            runner=runner,  # type: ignore[arg-type]
+            device=device,
         )
         return BuiltinEngine(model, tokenizer, config)
 

@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _CONNECTIONS_CLOSE_S = 10  # uvicorn's wait for open connections once the drain is over
+# How often a base model's vLLM process is started again when it dies (EngineProcess); as a run's default
+# engine.max_restarts. Its sampling calls meanwhile wait for it (the client's outage_wait_s).
+_VLLM_MAX_RESTARTS = 3
 
 # The user errors that are not a plain 400; every other UserError is.
 _STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int], ...] = (
@@ -228,7 +231,7 @@ def _start_vllm(
         max_batch_size=compute.config.max_sample_rows,
         max_seq_len_tokens=max_context,
         vllm=_vllm_options(config),
-        max_restarts=3,
+        max_restarts=_VLLM_MAX_RESTARTS,
     )
     engines.callback(engine.close)
     log.info("base model %r: starting its vLLM engine", name)

@@ -211,7 +211,7 @@ def _reserve(ray: Any, shape: list[dict[str, float]], r: RayConfig, who: str, fi
     if r.address is None and needed > total:  # a local Ray never grows: fail now, not after the wait
         raise UserError(
             f"{who}: the placement needs {needed:g} CPUs ({shape}) but the local Ray has {total:g} (this "
-            f"machine's). {fix}, e.g. ray.engine_cpus=0.5"
+            f"machine's). {fix}"
         )
     group = placement_group(shape, strategy=r.strategy)
     try:
@@ -310,8 +310,8 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     shape = bundles(cfg, has_gpus)
     fix = (
-        "Lower ray.num_engine_replicas, ray.engine_cpus, ray.trainer_cpus or ray.num_verifier_actors, or "
-        "add nodes"
+        "Lower ray.num_engine_replicas, ray.engine_cpus (e.g. ray.engine_cpus=0.5), ray.trainer_cpus or "
+        "ray.num_verifier_actors, or add nodes"
     )
     group = _reserve(ray, shape, cfg.ray, "launcher=ray", fix)
 
@@ -455,8 +455,8 @@ class RunDriver:
             return made[-1]
 
         remote = RayVerifiers(verifiers) if verifiers else None
-        if remote is not None:  # every environment's sandboxes (default_pool) go to the verifier actors
-            set_default_pool(remote)
+        # Every environment's sandboxes (default_pool) go to the verifier actors, for this run only.
+        previous = set_default_pool(remote) if remote is not None else None
         try:
             with ReplicaWatch(replicas, infos) as watch:
 
@@ -471,7 +471,7 @@ class RunDriver:
                 )
         finally:
             if remote is not None:
-                set_default_pool(None)
+                set_default_pool(previous)
             for trainer in made:
                 trainer.close()
 
