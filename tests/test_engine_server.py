@@ -722,6 +722,55 @@ def test_a_restarted_replica_gets_the_last_weights_even_at_its_own_version(
     assert on_1.token_ids == on_0.token_ids and max_diff(on_1.logprobs, on_0.logprobs) < 1e-5
 
 
+def test_a_following_client_takes_a_restarted_replica_back_only_once_the_publisher_synced_it(
+    tiny_model_dir, tokenizer, new_weights
+) -> None:
+    """A rollout worker's client (`follows_others=True`) installs nothing: the run's client does. A replica
+    restarted from the model on disk (version 0) must not serve the worker's calls until the run's client
+    has given it the weights (version 1): until then it stays down in the worker's view ("catching up")."""
+    _, path = new_weights
+    servers = [
+        InProcessServer(lambda: create_app(make_engine(tiny_model_dir), tokenizer)).start() for _ in range(2)
+    ]
+    urls = [s.url for s in servers]
+    prompt = prompts(1, seed=3)[0]
+
+    def greedy() -> SampleRequest:
+        return SampleRequest(prompt, SamplingParams(max_tokens=6, temperature=0))
+
+    async def main():
+        # The publisher checks only when told to, so the replica stays behind as long as the test wants.
+        publisher = BalancedClient(urls, ClientConfig(health_interval_s=3600, health_timeout_s=2))
+        follower = BalancedClient(urls, ClientConfig(health_interval_s=0.1, health_timeout_s=2), True)
+        async with publisher, follower:
+            await publisher.update_weights(str(path), version=1)
+            await wait_until(
+                lambda: all(r.version == 1 for r in follower.metrics().replicas), 30, "the follower sees v1"
+            )
+            servers[1].stop()
+            await wait_until(lambda: not follower.metrics().replicas[1].healthy, 30, "replica 1 down")
+            servers[1].start()  # the model from disk, version 0
+            await asyncio.sleep(1.0)  # ~10 of the follower's health checks
+            behind = follower.metrics().replicas[1]
+            outs = await asyncio.gather(*(follower.generate(greedy()) for _ in range(4)))
+            await publisher.check_health()  # finds it behind and installs version 1
+            await wait_until(lambda: follower.metrics().replicas[1].healthy, 30, "replica 1 caught up")
+            served_before = follower.metrics().replicas[1].served
+            later = await asyncio.gather(*(follower.generate(greedy()) for _ in range(6)))
+            return behind, outs, later, served_before, follower.metrics()
+
+    try:
+        behind, outs, later, served_before, metrics = asyncio.run(main())
+    finally:
+        for server in servers:
+            server.stop()
+    assert not behind.healthy and behind.last_error == "catching up: weights version 0 < 1", behind
+    assert all(o.versions == [1] * 6 for o in outs)  # every call served by the replica that was up to date
+    assert all(o.versions == [1] * 6 and o.token_ids == outs[0].token_ids for o in later)
+    assert metrics.replicas[1].served > served_before  # it serves again, with the publisher's weights
+    assert metrics.recoveries == 1
+
+
 # -- LoRA adapters over HTTP ------------------------------------------------------------------------
 
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -3,6 +3,7 @@
 - at max_staleness_steps=0 it reproduces the sync loop step for step (same samples, same losses);
 - with a bound k > 0 generation runs ahead, and no trained token is older than k steps;
 - a rollout that raises is counted and the run goes on;
+- groups played elsewhere (the `GroupPlayer` seam of rollout workers) enter the buffer once, failures counted;
 - with `trainer.lora_rank=N` (both loops) only the adapter reaches the engine, and sampler and trainer agree.
 """
 
@@ -21,11 +22,16 @@ import httpx
 import pytest
 import torch
 
+from inflight.buffer.streams import open_stream
 from inflight.config import RunConfig
+from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
+from inflight.inference.server import EngineServerConfig, ServerThread, create_app
 from inflight.metrics.logger import MetricsLogger
+from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.pipeline import run_pipeline
 from inflight.orchestrator.publish import policy_engine
-from inflight.orchestrator.remote_engine import weight_transport
+from inflight.orchestrator.remote_engine import RemoteEngines, weight_transport
+from inflight.orchestrator.rollout_group import PlayedGroup, group_record, play_group
 from inflight.orchestrator.run import train
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy, pad_id
 from inflight.orchestrator.sync_loop import LoopParts
@@ -228,6 +234,76 @@ def test_pipeline_with_an_engine_replica_over_http(
         assert weight_files == ["weights-00000000.safetensors"]  # the warmed-up base, once
     else:
         assert weight_files
+
+
+class TwiceWritingPlayer:
+    """A `GroupPlayer` as `launch/ray.py`'s rollout workers are one, in this process: each group played
+    against the replica with a client that follows the run's (`follows_others`), written to the shared
+    result stream by the player itself (as a worker writes to Redis), and problem 2's group written twice,
+    as a worker that died after writing it leaves it when its group is played again."""
+
+    def __init__(self, cfg: RunConfig, task: Task, chat: ChatFormat, url: str, run_dir: Path) -> None:
+        self.cfg, self.task, self.chat = cfg, task, chat
+        self.engines = RemoteEngines([url], run_dir / "weights", follows_others=True)
+        self.guard = RolloutGuard(cfg.rollout, 1)
+        assert cfg.pipeline.stream_url
+        self.stream = open_stream(cfg.pipeline.stream_url)
+        self.played = 0
+
+    async def play(self, problem_index: int, problem: dict) -> PlayedGroup:
+        if not self.played:
+            await self.engines.astart()
+        self.played += 1
+
+        async def generate(request):  # type: ignore[no-untyped-def]
+            return await self.engines.generate(request, 60.0)
+
+        group = await play_group(self.task, problem, problem_index, self.cfg, self.chat, generate, self.guard)
+        for _ in range(2 if problem_index == 2 else 1):
+            self.stream.append(group_record(problem_index, group))
+        return PlayedGroup(problem_index, [], True, self.guard.take_counts())
+
+    def metrics(self) -> dict[str, float]:
+        return {"players/played": float(self.played)}
+
+
+def test_groups_played_elsewhere_enter_the_buffer_once_with_their_failures_counted(
+    tmp_path: Path, warmed, replica_url
+) -> None:
+    """The pipeline's `GroupPlayer` seam (rollout workers of their own): groups come through the stream
+    the players write, a group written twice trains once (`stream_duplicates`), and the rollouts that
+    failed in a player reach the run's guard (`rollout_errors`)."""
+    url = replica_url
+    cfg = small_config(tmp_path, max_staleness_steps=1, engine_urls=[url], stream_url="memory://played")
+    cfg.mode, cfg.grpo.steps = "async", 4
+    task = flaky(BLACKJACK)  # every third problem's first sample raises
+    parts = parts_for(cfg, warmed, task)
+    player = TwiceWritingPlayer(cfg, task, parts.chat, url, tmp_path)
+    history = run_pipeline(parts, cfg, MetricsLogger(tmp_path), tmp_path, players=player)
+    last = history[-1]
+    assert len(history) == 4 and last["buffer/consumed"] == 4 * 4
+    assert last["stream_duplicates"] == 1, last
+    assert last["rollout_errors"] >= 1 and last["groups_dropped_errors"] == 0, last
+    assert last["players/played"] >= 16
+    pending = last["buffer/in_flight"] + last["buffer/buffered"]
+    accounted = last["buffer/consumed"] + last["buffer/filtered"] + last["buffer/stale_dropped"]
+    assert last["buffer/admitted"] == accounted + last["buffer/cancelled"] + pending
+    parity = [h["logprob_parity_max_abs"] for h in history if h.get("logprob_parity_token_frac", 0) > 0]
+    assert parity and max(parity) < 1e-3, parity  # the players sampled the trainer's weights
+
+
+@pytest.fixture
+def replica_url(warmed):  # type: ignore[no-untyped-def]
+    """An engine replica serving the tiny model from disk in this process (the pipeline publishes the
+    warmed-up weights to it first)."""
+    _, model_dir = warmed
+    model, tokenizer = load_policy(RunConfig.model_validate({"model": {"path": model_dir}}))
+    engine = BuiltinEngine(model, tokenizer, BuiltinEngineConfig(max_batch_size=32))
+    server = ServerThread(create_app(engine, tokenizer, EngineServerConfig())).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 # ---- LoRA RL (issue 12 item 3): the engine keeps its frozen base and receives only the adapter -------------

@@ -19,7 +19,7 @@ from inflight.config import RolloutConfig, RunConfig
 from inflight.envs.base import episode_seeds
 from inflight.envs.math import MathEnv
 from inflight.errors import UserError
-from inflight.orchestrator.guard import LOGGED_PER_ERROR, RolloutGuard
+from inflight.orchestrator.guard import LOGGED_PER_ERROR, GuardCounts, RolloutGuard
 from inflight.orchestrator.task import ENV_TEST_SEED, env_task, make_env, train_problem
 from inflight.rollouts.api import RolloutContext
 from inflight.types import Rollout
@@ -151,3 +151,44 @@ def test_an_env_that_takes_a_split_gets_it_and_env_name_replaces_the_tasks_env()
     assert {p.split for p in train.problems} == {"train"} and {p.split for p in test.problems} == {"test"}
     cfg.env.name = "arithmetic"
     assert type(make_env(MathEnv, cfg, "train")).__name__ == "ArithmeticEnv"
+
+
+def test_counts_taken_in_one_guard_add_up_in_another() -> None:
+    """A rollout worker's guard reports what it counted since its last report (`take_counts`); the run's
+    guard adds it (`absorb`) and judges the sum: nothing counted twice, nothing lost between reports."""
+    worker = RolloutGuard(RolloutConfig(timeout_s=0.05, max_failed_frac=0.5), min_rollouts=1)
+    run = RolloutGuard(RolloutConfig(max_failed_frac=0.5), min_rollouts=4)
+
+    async def ok(ctx, problem):  # type: ignore[no-untyped-def]
+        return rollout()
+
+    async def boom(ctx, problem):  # type: ignore[no-untyped-def]
+        raise ValueError("bad env")
+
+    async def slow(ctx, problem):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(1)
+
+    async def play(*fns):  # type: ignore[no-untyped-def]
+        for fn in fns:
+            await worker.run(fn, ctx(), {})
+
+    asyncio.run(play(ok, boom))
+    first = worker.take_counts()
+    assert (first.attempted, first.failed, first.timeouts, first.errors) == (
+        2,
+        1,
+        0,
+        {"ValueError: bad env": 1},
+    )
+    asyncio.run(play(boom, slow, ok))
+    second = worker.take_counts()
+    timeout = f"TimeoutError: generate_rollout ran past rollout.timeout_s={0.05:g} s"
+    assert (second.attempted, second.failed, second.timeouts) == (3, 2, 1)
+    assert second.errors == {"ValueError: bad env": 1, timeout: 1}
+    assert worker.take_counts() == GuardCounts()  # nothing new since
+    run.absorb(first)
+    run.check()  # 1 of 2: too few tried to judge
+    run.absorb(second)
+    assert run.metrics() == {"rollout_errors": 3.0, "rollout_timeouts": 1.0}
+    with pytest.raises(UserError, match=r"3 of 5 rollouts failed.*\(2x\): ValueError: bad env"):
+        run.check()

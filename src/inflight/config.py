@@ -158,6 +158,13 @@ class RayConfig(_Config):
     # each runs max(1, round(verifier_cpus)) sandboxes at once. 0: the sandboxes run in the run's actor.
     num_verifier_actors: int = Field(default=0, ge=0)
     verifier_cpus: float = Field(default=1.0, gt=0)
+    # Rollout workers: actors on CPU bundles of their own that play the pipeline's groups (the task's
+    # generate_rollout, its environments) against the replicas, instead of the run's own event loop; the
+    # run's actor keeps admission, the buffer and the trainer. Results come back through Ray's object store,
+    # or go straight to pipeline.stream_url when it is redis://. Ray restarts a worker that dies, and its
+    # groups are played again. mode=async only. 0: the rollouts run in the run's actor.
+    num_rollout_workers: int = Field(default=0, ge=0)
+    rollout_worker_cpus: float = Field(default=1.0, gt=0)
     # GPUs per bundle where engine.device / trainer.device is cuda (or auto on a cluster with GPUs); a
     # fraction lets replicas or the trainer share one GPU.
     engine_gpus: float = Field(default=1.0, gt=0)

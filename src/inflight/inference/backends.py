@@ -6,12 +6,11 @@ Heavy imports (torch, transformers, vLLM) happen only in the builder of the back
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 from typing import Literal, Protocol
 
 from inflight.inference.builtin import EngineMetrics
 from inflight.inference.engine import SteppedEngine
-from inflight.models.chat_template import generation_stop_ids
+from inflight.models.chat_template import generation_stop_ids, generation_stop_ids_of
 
 Backend = Literal["builtin", "vllm"]
 
@@ -96,17 +95,13 @@ def _builtin_engine(
 def _vllm_engine(
     model: str, max_batch_size: int, max_seq_len_tokens: int | None, dtype: str, options: VllmOptions
 ) -> tuple[ServedEngine, tuple[int, ...]]:
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig
 
     from inflight.inference.vllm_engine import VllmEngine, VllmEngineConfig  # lazy: imports vllm
 
     # The configs only, not the weights (vLLM loads those): enough for the stop ids and the context.
     hf_config = AutoConfig.from_pretrained(model)
-    try:
-        generation: GenerationConfig | None = GenerationConfig.from_pretrained(model)
-    except OSError:  # no generation_config.json: the model config's EOS
-        generation = None
-    stop_ids = generation_stop_ids(SimpleNamespace(generation_config=generation, config=hf_config))
+    stop_ids = generation_stop_ids_of(model)
     if max_seq_len_tokens is None:  # the same default as the built-in engine's
         max_seq_len_tokens = min(1024, int(getattr(hf_config, "max_position_embeddings", 1024)))
     config = VllmEngineConfig.model_validate(

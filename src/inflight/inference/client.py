@@ -8,6 +8,8 @@ its calls in flight moved too. Every retry, failure and recovery is counted in `
 is the request's fault, not the replica's: it raises EngineRequestError at once. Weights and adapters go
 to every replica, and the health check brings a replica that was away up to date (the last weights, every
 adapter set and not removed since) before it takes requests again, so all replicas serve the same model.
+A client that installs nothing (`follows_others=True`: a rollout worker's, beside the run's client that
+publishes) instead takes a replica that was away back only once another client has brought it up to date.
 """
 
 from __future__ import annotations
@@ -320,10 +322,20 @@ _Install = Callable[[EngineClient], Awaitable[Any]]
 class BalancedClient:
     """Least-outstanding-requests balancing with failover; use as `async with BalancedClient(urls) as c`."""
 
-    def __init__(self, urls: Sequence[str], config: ClientConfig | None = None) -> None:
+    def __init__(
+        self, urls: Sequence[str], config: ClientConfig | None = None, follows_others: bool = False
+    ) -> None:
+        """`follows_others`: this client installs no weights or adapters; another one does (the run's, for a
+        rollout worker's client). A replica that comes back then serves this client's calls only once it
+        is not behind the newest weight version and adapter versions this client has seen on any replica
+        (a restarted replica serves the model from disk until the other client syncs it), and a replica
+        that answers 404 for such an adapter is out of sync, its call moved elsewhere."""
         if not urls:
             raise ValueError("BalancedClient needs at least one replica URL")
         self.config = config or ClientConfig()
+        self.follows_others = follows_others
+        self._seen_version = -1  # follows_others: the newest weight version a replica served
+        self._seen_adapters: dict[str, int] = {}  # and the newest version of each adapter
         self._replicas = [_Replica(EngineClient(url, self.config)) for url in urls]
         self._health_task: asyncio.Task[None] | None = None
         # What every replica must serve, replayed to a replica that comes back (see _check):
@@ -358,7 +370,8 @@ class BalancedClient:
         # A replica that does not know an adapter this client set was away (restarted unseen, say): its
         # fault, not the request's. It is marked down, so the health check syncs it, and the call moves.
         def out_of_sync(exc: EngineRequestError) -> bool:
-            return exc.status == 404 and request.adapter in self._adapters
+            known = self._seen_adapters if self.follows_others else self._adapters
+            return exc.status == 404 and request.adapter in known
 
         return await self._call(lambda c: c.generate(request), "generate", out_of_sync)
 
@@ -572,7 +585,14 @@ class BalancedClient:
             # (broadcasts skip it), which also gets the last weights at an equal version: restarted, it
             # serves the model from disk at version 0, the version of weights published before any step.
             recovering = not replica.healthy
-            if recovering or not self._broadcasting:
+            if self.follows_others:
+                behind = self._behind(health)
+                if recovering and behind:  # stays down (not counted again) until the publisher syncs it
+                    replica.last_error = f"catching up: {behind}"
+                    return
+                if not behind:
+                    self._seen(health)
+            elif recovering or not self._broadcasting:
                 health.version = await self._sync(replica.client, health, force_weights=recovering)
         except (ReplicaError, EngineRequestError) as exc:
             if replica.healthy:
@@ -583,6 +603,20 @@ class BalancedClient:
         if not replica.healthy:
             replica.healthy, replica.last_error = True, None
             self._recoveries += 1
+
+    def _behind(self, health: HealthResponse) -> str | None:
+        """follows_others: what a replica lacks of the newest weights and adapters seen, or None."""
+        if health.version < self._seen_version:
+            return f"weights version {health.version} < {self._seen_version}"
+        for name, version in self._seen_adapters.items():
+            if health.adapters.get(name, -1) < version:
+                return f"adapter {name!r} version {health.adapters.get(name)} < {version}"
+        return None
+
+    def _seen(self, health: HealthResponse) -> None:
+        self._seen_version = max(self._seen_version, health.version)
+        for name, version in health.adapters.items():
+            self._seen_adapters[name] = max(self._seen_adapters.get(name, -1), version)
 
     async def _sync(self, client: EngineClient, health: HealthResponse, force_weights: bool = False) -> int:
         """Bring a replica back from an outage (or restarted unseen) up to date before it takes requests:

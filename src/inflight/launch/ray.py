@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from inflight.envs.sandbox import Isolation, SandboxLimits, SandboxResult, VerifierPoolConfig
     from inflight.inference.backends import VllmOptions
     from inflight.inference.builtin import BuiltinEngineConfig
+    from inflight.orchestrator.rollout_group import PlayedGroup
+    from inflight.orchestrator.task import Problem
     from inflight.types import AdapterUpdate
 
 T = TypeVar("T")
@@ -38,6 +40,8 @@ RAY_MISSING = "launcher=ray needs Ray: pip install 'inflight[ray]'"
 COLLECTIVE_FAILURE_WAIT_S = 30.0  # after a collective broke here, how long the other ranks get to say why
 WATCH_INTERVAL_S = 1.0  # how often the trainer's actor asks each replica which process serves it
 VERIFIER_TASK_RETRIES = 2  # how often Ray runs a job again on a verifier actor it restarted
+PLAY_ATTEMPTS = 4  # rollout workers one group may be sent to (a lost play is played again elsewhere)
+PLAY_GRACE_S = 60.0  # a group's play is bounded by rollout.timeout_s (its rollouts run at once) plus this
 
 
 def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
@@ -47,6 +51,11 @@ def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
         raise UserError(
             "launcher=ray starts its own engine replicas (ray.num_engine_replicas): "
             "unset pipeline.engine_urls"
+        )
+    if cfg.ray.num_rollout_workers and cfg.mode != "async":
+        raise UserError(
+            f"ray.num_rollout_workers={cfg.ray.num_rollout_workers}: rollout workers of their own play the "
+            "pipeline's groups; the sync loop plays its own: set mode=async, or ray.num_rollout_workers=0"
         )
     ray = _import_ray()
     from inflight.orchestrator.setup import resolve_model, run_dir_path
@@ -86,13 +95,14 @@ class Placement:
     target: str
     ranks: list[Any]  # the trainer ranks after the run's own (rank 0): ray.num_trainer_ranks - 1 actors
     verifiers: list[Any]  # ray.num_verifier_actors VerifierActor actors
+    workers: list[Any]  # ray.num_rollout_workers RolloutWorker actors
 
     def run(self) -> dict[str, Any]:
         exceptions = self.ray.exceptions
         try:
             return self.ray.get(
                 self.driver.run.remote(
-                    self.cfg, self.target, self.replicas, self.infos, self.ranks, self.verifiers
+                    self.cfg, self.target, self.replicas, self.infos, self.ranks, self.verifiers, self.workers
                 )
             )
         except exceptions.RayTaskError as e:
@@ -107,7 +117,7 @@ class Placement:
 
     def release(self) -> None:
         """The run's actors and its reservation go; the cluster stays (unless this launcher started it)."""
-        for actor in [self.driver, *self.ranks, *self.replicas, *self.verifiers]:
+        for actor in [self.driver, *self.workers, *self.ranks, *self.replicas, *self.verifiers]:
             if actor is not None:
                 self.ray.kill(actor, no_restart=True)
         from ray.util.placement_group import remove_placement_group
@@ -274,18 +284,19 @@ def _replica_infos(ray: Any, replicas: list[Any], r: RayConfig, who: str) -> lis
 
 def bundles(cfg: RunConfig, cluster_has_gpus: bool) -> list[dict[str, float]]:
     """The placement group's bundles: one per engine replica, then one per trainer rank (the first is the
-    run's own), then one per verifier actor (CPU only). A GPU (or the fraction ray.*_gpus) where the
-    component's device is cuda ("auto": where the cluster has GPUs)."""
+    run's own), then one per verifier actor, then one per rollout worker (CPU only). A GPU (or the
+    fraction ray.*_gpus) where the component's device is cuda ("auto": where the cluster has GPUs)."""
     r = cfg.ray
     engine = _engine_bundle(r, cfg.engine.device, cluster_has_gpus)
     trainer = {"CPU": r.trainer_cpus} | (
         {"GPU": r.trainer_gpus} if _on_gpu(cfg.trainer.device, cluster_has_gpus) else {}
     )
-    verifier = {"CPU": r.verifier_cpus}
+    verifier, worker = {"CPU": r.verifier_cpus}, {"CPU": r.rollout_worker_cpus}
     return (
         [engine] * r.num_engine_replicas
         + [trainer] * r.num_trainer_ranks
         + [verifier] * r.num_verifier_actors
+        + [worker] * r.num_rollout_workers
     )
 
 
@@ -301,10 +312,14 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
                        or in the request bodies (`pipeline.weight_transport`)
         bundle N+k     data-parallel trainer rank k (k < ray.num_trainer_ranks): an actor holding a replica of
                        the trainer (`TrainerRank`); the run's actor is rank 0 and drives every step
-        bundle N+R+j   verifier actor j (j < ray.num_verifier_actors): a sandbox pool (`VerifierActor`) the
-                       run's environments send their sandboxed code to (`RayVerifiers`, the run's default)
+        bundle N+R+j   verifier actor j (j < ray.num_verifier_actors = V): a sandbox pool (`VerifierActor`)
+                       the run's environments send their sandboxed code to (`RayVerifiers`, the default pool)
+        bundle N+R+V+w rollout worker w (w < ray.num_rollout_workers): an actor playing the groups the run
+                       admits (`RolloutWorker`; `RayRolloutWorkers` is the pipeline's `GroupPlayer`); 0 of
+                       them: the rollouts run on the run's own event loop
 
-    The rollouts, the stream and the trainer share one process, so the default file stream in the run
+    The result stream stays in the run's process (a group comes back through Ray's object store) unless
+    pipeline.stream_url names one every worker reaches (redis://), so the default file stream in the run
     directory serves any cluster; only the weight files and the model need storage every node can read.
     """
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
@@ -318,7 +333,7 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
     def on_bundle(index: int) -> Any:
         return _on_bundle(group, index)
 
-    placed = Placement(ray, group, [], [], None, cfg, target, [], [])
+    placed = Placement(ray, group, [], [], None, cfg, target, [], [], [])
     try:
         _start_actors(ray, placed, shape, on_bundle)
     except BaseException:
@@ -376,6 +391,16 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
         )
     placed.infos = _replica_infos(ray, placed.replicas, cfg.ray, f"launcher=ray (loading {cfg.model.path})")
     placed.cfg = _for_actor(cfg, shape[n].get("GPU", 0.0), engine_urls=[info.url for info in placed.infos])
+    worker_cls, first = ray.remote(RolloutWorker), first + cfg.ray.num_verifier_actors
+    for w in range(cfg.ray.num_rollout_workers):
+        placed.workers.append(
+            worker_cls.options(
+                name=f"{run_dir.name}:rollouts-{w}",
+                num_cpus=shape[first + w]["CPU"],
+                max_restarts=-1,  # it holds nothing the run needs: always worth restarting
+                scheduling_strategy=on_bundle(first + w),
+            ).remote(_for_actor(placed.cfg, 0.0), placed.target, placed.verifiers)
+        )
 
 
 class EngineReplica:
@@ -443,6 +468,7 @@ class RunDriver:
         infos: list[ReplicaInfo],
         ranks: list[Any],
         verifiers: list[Any],
+        workers: list[Any],
     ) -> dict[str, Any]:
         from inflight.envs.sandbox import set_default_pool
         from inflight.orchestrator.run import run
@@ -468,6 +494,7 @@ class RunDriver:
                     resolve_target(target),
                     launcher_metrics=metrics,
                     make_trainer=ranked if ranks else None,
+                    players=RayRolloutWorkers(workers, cfg.rollout.timeout_s) if workers else None,
                 )
         finally:
             if remote is not None:
@@ -775,6 +802,137 @@ class RayCompute:
             ) from None
         except exceptions.RayActorError as exc:
             raise RuntimeError(f"the service's training actor is gone ({describe(exc)})") from None
+
+
+class RolloutWorker:
+    """A rollout worker on a CPU bundle of its own (`ray.num_rollout_workers`): plays the groups the run's
+    actor admits (`play_group`, the pipeline's own code: the task's generate_rollout, its environments,
+    its sandboxes on the verifier actors) against the engine replicas, with a client that follows the run's
+    (which publishes the weights). A played group goes back through Ray's object store, or straight into
+    pipeline.stream_url when one is set (redis://: the run's reader takes it from there). An async actor:
+    its groups run concurrently on its event loop. Holds nothing the run needs, so Ray restarts it when it
+    dies and the run plays its lost groups again (`RayRolloutWorkers`)."""
+
+    def __init__(self, cfg: RunConfig, target: str, verifiers: list[Any]) -> None:
+        import torch
+
+        from inflight.buffer.streams import open_stream
+        from inflight.envs.sandbox import set_default_pool
+        from inflight.models import load_tokenizer
+        from inflight.models.chat_template import generation_stop_ids_of
+        from inflight.orchestrator.guard import RolloutGuard
+        from inflight.orchestrator.remote_engine import RemoteEngines, weight_transport
+        from inflight.orchestrator.target import resolve_target
+        from inflight.rollouts.chat import ChatFormat
+        from inflight.trainer.lora_policy import ADAPTER_NAME
+
+        torch.set_num_threads(1)  # rollouts are Python and HTTP: the replicas compute
+        assert cfg.model.path and cfg.run_dir, "run_on_ray resolves the model and the run directory"
+        self.cfg = cfg
+        self.task = resolve_target(target)
+        # The run's chat format (ChatFormat.for_model), from the model's files without its weights.
+        self.chat = ChatFormat(load_tokenizer(cfg.model.path), None, generation_stop_ids_of(cfg.model.path))
+        self.guard = RolloutGuard(cfg.rollout, 1)  # logs here; the run's guard judges the counts
+        self.stream = open_stream(cfg.pipeline.stream_url) if cfg.pipeline.stream_url else None
+        self.engines = RemoteEngines(
+            cfg.pipeline.engine_urls,
+            Path(cfg.run_dir) / "weights",
+            policy_adapter=ADAPTER_NAME if cfg.trainer.lora_rank else None,
+            transport=weight_transport(cfg.pipeline.weight_transport, cfg.pipeline.engine_urls),
+            follows_others=True,
+        )
+        self._started = False
+        if verifiers:  # this process's environments send their sandboxed code to the verifier actors
+            set_default_pool(RayVerifiers(verifiers))
+
+    async def play(self, problem_index: int, problem: Problem) -> tuple[PlayedGroup, int, dict[str, float]]:
+        """The group, this process's id (a new one: Ray restarted the worker) and its client's counters."""
+        import asyncio
+
+        from inflight.orchestrator.rollout_group import PlayedGroup, group_record, is_playable, play_group
+        from inflight.types import Completion, SampleRequest
+
+        if not self._started:  # the client lives on this actor's event loop
+            self._started = True
+            await self.engines.astart()
+        timeout_s = self.cfg.rollout.timeout_s
+
+        async def generate(request: SampleRequest) -> Completion:
+            return await self.engines.generate(request, timeout_s)
+
+        cfg, chat = self.cfg, self.chat
+        group = await play_group(self.task, problem, problem_index, cfg, chat, generate, self.guard)
+        appended = self.stream is not None and is_playable(group)
+        if appended:
+            assert self.stream is not None
+            await asyncio.to_thread(self.stream.append, group_record(problem_index, group))
+        rollouts = [] if appended else group.rollouts
+        played = PlayedGroup(problem_index, rollouts, appended, self.guard.take_counts())
+        return played, os.getpid(), self.engines.metrics()
+
+
+class RayRolloutWorkers:
+    """The pipeline's `GroupPlayer` over `RolloutWorker` actors: each group to the worker with the fewest in
+    flight, awaited on the pipeline's event loop. A group lost with its worker (the actor died, or gave no
+    answer within rollout.timeout_s + PLAY_GRACE_S) is played again, on another worker when there is one,
+    up to PLAY_ATTEMPTS tries: its problem stays admitted meanwhile, so the staleness bound holds, and the
+    seeds make the replay draw the same samples at the same weights. Counted in `metrics()`: groups played,
+    lost (and played again), workers restarted (seen as a new process id)."""
+
+    def __init__(self, actors: list[Any], rollout_timeout_s: float) -> None:
+        import ray
+
+        self._ray, self._actors = ray, actors
+        self._bound_s = rollout_timeout_s + PLAY_GRACE_S
+        self._in_flight = [0] * len(actors)
+        self._pids: list[int | None] = [None] * len(actors)
+        self._clients: list[dict[str, float]] = [{} for _ in actors]
+        self._counts = dict.fromkeys(("played", "lost", "restarts"), 0)
+
+    async def play(self, problem_index: int, problem: Problem) -> PlayedGroup:
+        import asyncio
+
+        failed: set[int] = set()
+        last = "none tried"
+        for _ in range(PLAY_ATTEMPTS):
+            index = self._pick(failed)
+            self._in_flight[index] += 1
+            ref = self._actors[index].play.remote(problem_index, problem)
+            try:
+                played, pid, client = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._bound_s)
+            except (self._ray.exceptions.RayActorError, TimeoutError) as exc:
+                if isinstance(exc, TimeoutError):
+                    self._ray.cancel(ref, force=False)
+                last = f"rollout worker {index}: {describe(exc)}"
+                failed.add(index)
+                self._counts["lost"] += 1
+                print(f"inflight: ray: group of problem {problem_index} lost ({last}); playing it again",
+                      file=sys.stderr)  # fmt: skip
+                continue
+            finally:
+                self._in_flight[index] -= 1
+            if self._pids[index] is not None and pid != self._pids[index]:
+                self._counts["restarts"] += 1
+            self._pids[index], self._clients[index] = pid, client
+            self._counts["played"] += 1
+            return played
+        raise RuntimeError(
+            f"problem {problem_index}: no rollout worker could play its group in {PLAY_ATTEMPTS} tries; "
+            f"last: {last}"
+        )
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"rollout_workers/{key}": float(value) for key, value in self._counts.items()}
+        for key in ("calls", "retries", "replica_failures", "recoveries"):  # the workers' clients, summed
+            out[f"rollout_workers/replica_{key.removeprefix('replica_')}"] = sum(
+                client.get(f"replicas/{key}", 0.0) for client in self._clients
+            )
+        return out
+
+    def _pick(self, failed: set[int]) -> int:
+        """The worker with the fewest groups in flight, those that just lost this group last (one of them
+        may be the only worker: Ray queues the call until it is back)."""
+        return min(range(len(self._actors)), key=lambda i: (i in failed, self._in_flight[i]))
 
 
 class VerifierActor:

@@ -9,6 +9,8 @@ nothing of either.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from inflight.errors import UserError
@@ -26,6 +28,19 @@ def generation_stop_ids(model: Any) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(int(i) for i in (eos if isinstance(eos, list | tuple) else [eos]))
+
+
+def generation_stop_ids_of(model_dir: str | Path) -> tuple[int, ...]:
+    """`generation_stop_ids` of the model in `model_dir`, read from its configs alone (no weights loaded:
+    for a process that only talks to an engine, or an engine that loads the weights itself)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    try:
+        generation: GenerationConfig | None = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: the model config's EOS
+        generation = None
+    return generation_stop_ids(SimpleNamespace(generation_config=generation, config=config))
 
 
 def render(

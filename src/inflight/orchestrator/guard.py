@@ -5,6 +5,8 @@ result that is not a Rollout, a timeout) is counted and logged with its problem 
 exception's first line, and the run goes on without that rollout. Once more than
 `rollout.max_failed_frac` of the rollouts failed, `check()` stops the run with a message naming the most
 common error. Knows nothing of engines, buffers or steps; the loops and the evaluation each hold one.
+A guard in another process (a rollout worker's) reports its counts (`take_counts`) to the run's guard
+(`absorb`), which judges them with its own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from dataclasses import dataclass, field
 
 from inflight.config import RolloutConfig
 from inflight.errors import UserError, describe
@@ -22,6 +25,16 @@ from inflight.types import Rollout
 
 log = logging.getLogger(__name__)
 LOGGED_PER_ERROR = 5  # failures logged per distinct error message; the rest are only counted
+
+
+@dataclass
+class GuardCounts:
+    """Rollouts tried and failed (timeouts among them), and how often each error occurred."""
+
+    attempted: int = 0
+    failed: int = 0
+    timeouts: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
 
 
 class RolloutGuard:
@@ -39,6 +52,7 @@ class RolloutGuard:
         self.failed = 0
         self.timeouts = 0
         self.errors: Counter[str] = Counter()
+        self._reported = GuardCounts()  # what take_counts() handed out so far
         # Rollouts run on an asyncio loop while another thread (the pipeline's trainer) reads the counts.
         self._lock = threading.Lock()
 
@@ -95,6 +109,28 @@ class RolloutGuard:
             f"stopped: {failed} of {attempted} {self.what} failed, more than rollout.max_failed_frac="
             f"{self.config.max_failed_frac:g}; the most common error ({count}x): {error}"
         )
+
+    def take_counts(self) -> GuardCounts:
+        """The counts since the last call (for a guard in another process to `absorb`)."""
+        with self._lock:
+            last = self._reported
+            errors = {e: n - last.errors.get(e, 0) for e, n in self.errors.items()}
+            delta = GuardCounts(
+                self.attempted - last.attempted,
+                self.failed - last.failed,
+                self.timeouts - last.timeouts,
+                {e: n for e, n in errors.items() if n},
+            )
+            self._reported = GuardCounts(self.attempted, self.failed, self.timeouts, dict(self.errors))
+        return delta
+
+    def absorb(self, counts: GuardCounts) -> None:
+        """Add the counts of a guard elsewhere (which logged its failures there)."""
+        with self._lock:
+            self.attempted += counts.attempted
+            self.failed += counts.failed
+            self.timeouts += counts.timeouts
+            self.errors.update(counts.errors)
 
     def metrics(self) -> dict[str, float]:
         """Failures so far (timeouts included) and timeouts alone."""

@@ -3,8 +3,9 @@
 Dataflow (the engine owns a thread, rollouts share an asyncio loop, the trainer is driven by a thread and by
 default steps in a process of its own, `trainer/process.py`, training the shared weights in place):
 
-    problems ──► admission ──► rollout workers (asyncio tasks, up to max_groups_in_flight groups)
-                 buffer.admit()    │  task.generate_rollout(ctx, problem) x group_size (guard.py)
+    problems ──► admission ──► rollout workers (asyncio tasks, up to max_groups_in_flight groups; or
+                 buffer.admit()    │  a GroupPlayer's workers elsewhere: launch/ray.py's rollout actors)
+                                   │  play_group: task.generate_rollout(ctx, problem) x group_size (guard.py)
                                    │        │ tokens  ▲
                                    │        ▼         │
                                    │   engine loop thread: continuous batching; new weights are
@@ -21,6 +22,9 @@ buffer admits a prompt only while the bound `max_staleness_steps` can still hold
 be thrown away for being stale. With the bound at 0 and active sampling off, every batch is sampled
 by the weights of the step that trains on it: the sync loop's samples, step for step.
 
+A group is admitted once and enters the buffer once: a record for a problem no longer in flight (played
+twice because its worker died after writing it) is skipped and counted (`stream_duplicates`).
+
 Resume: a checkpoint holds trainer + optimizer + step, the result stream's read offset, the buffered
 groups and the problems in flight. A restart with the same run directory re-reads the stream past the
 offset, re-issues the problems whose results never reached it, and goes on.
@@ -33,7 +37,6 @@ re-issued on resume); (4) stop the engine loop (aborting its requests); (5) clos
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import threading
@@ -46,7 +49,6 @@ from typing import Any
 import torch
 
 from inflight.buffer.buffer import RolloutBuffer
-from inflight.buffer.codec import decode_group, encode_group
 from inflight.buffer.streams import open_stream
 from inflight.config import RunConfig
 from inflight.inference.engine_loop import EngineLoop
@@ -56,9 +58,15 @@ from inflight.orchestrator.drivers import Driver, SubmitDriver
 from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.publish import publish, publish_initial
 from inflight.orchestrator.remote_engine import RemoteEngines, weight_transport
-from inflight.orchestrator.sync_loop import LoopParts, rollout_metrics, sampling_params, to_train_samples
+from inflight.orchestrator.rollout_group import (
+    GroupPlayer,
+    group_record,
+    is_playable,
+    parse_group_record,
+    play_group,
+)
+from inflight.orchestrator.sync_loop import LoopParts, rollout_metrics, to_train_samples
 from inflight.orchestrator.task import train_problem
-from inflight.rollouts.api import RolloutContext
 from inflight.trainer.lora_policy import ADAPTER_NAME
 from inflight.trainer.process import TrainerProcess
 from inflight.types import Completion, RolloutGroup, SampleRequest
@@ -73,18 +81,10 @@ class _State:
     in_flight: set[int] = field(default_factory=set)  # admitted, result not yet read from the stream
     read_offset: int = -1  # the last stream record put into the buffer
     groups_dropped_errors: int = 0
+    stream_duplicates: int = 0  # records of a problem no longer in flight (played twice), skipped
     resume_regenerated: int = 0  # recovered groups sampled by weights lost in a crash: problem re-issued
     stopping: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _record(problem_index: int, group: RolloutGroup) -> bytes:
-    return json.dumps({"problem": problem_index, "group": encode_group(group).decode()}).encode()
-
-
-def _parse(record: bytes) -> tuple[int, RolloutGroup]:
-    obj = json.loads(record)
-    return int(obj["problem"]), decode_group(obj["group"].encode())
 
 
 class _Pipeline:
@@ -95,9 +95,11 @@ class _Pipeline:
         logger: MetricsLogger,
         run_dir: Path,
         launcher_metrics: Callable[[], dict[str, float]] | None = None,
+        players: GroupPlayer | None = None,
     ) -> None:
         self.parts, self.cfg, self.logger, self.run_dir = parts, cfg, logger, run_dir
         self.launcher_metrics = launcher_metrics
+        self.players = players
         p = cfg.pipeline
         per_step = cfg.grpo.prompts_per_step
         budget = p.active_sampling_max_filtered_batches * per_step or None  # None: filter forever
@@ -146,7 +148,7 @@ class _Pipeline:
         highest = state.next_problem - 1
         while records := self.stream.read(after=state.read_offset, max_count=1024, timeout_s=0.0):
             for offset, record in records:
-                k, group = _parse(record)
+                k, group = parse_group_record(record)
                 state.read_offset, highest = offset, max(highest, k)
                 if max((r.max_version for r in group.rollouts), default=-1) > version:
                     state.resume_regenerated += 1
@@ -177,10 +179,13 @@ class _Pipeline:
         state = self.state
         records = self.stream.read(after=state.read_offset, max_count=1024, timeout_s=timeout_s)
         for offset, record in records:
-            k, group = _parse(record)
+            k, group = parse_group_record(record)
             with state.lock:
-                self.buffer.put(group)
                 state.read_offset = offset
+                if k not in state.in_flight and k not in state.reissue:  # played twice: in the buffer once
+                    state.stream_duplicates += 1
+                    continue
+                self.buffer.put(group)
                 state.in_flight.discard(k)
                 if k in state.reissue:  # its result reached the stream before the crash
                     state.reissue.remove(k)
@@ -191,35 +196,41 @@ class _Pipeline:
         return await self.loop.generate(request, self.cfg.rollout.timeout_s)
 
     async def rollout_group(self, k: int) -> None:
-        cfg, parts = self.cfg, self.parts
-        problem = train_problem(parts.problems, k)
-        group_id = str(k)
-        params = sampling_params(cfg)
-        contexts = [
-            RolloutContext(self.generate, parts.chat, params, group_id, k, j, cfg.seed, cfg)
-            for j in range(cfg.grpo.group_size)
-        ]
-        # A failed rollout comes back as None (counted by the guard); a cancellation (shutting down)
-        # propagates: the problem stays in flight and is re-issued on resume.
-        results = await asyncio.gather(
-            *(self.guard.run(parts.task.generate_rollout, ctx, dict(problem)) for ctx in contexts)
-        )
-        rollouts = [r for r in results if r is not None]
-        for r in rollouts:
-            r.group_id = group_id
-        with self.state.lock:
-            if len(rollouts) < 2:  # no baseline left to compare with: the group is dropped, counted
+        """Problem k's group, played here or by the players, into the stream. Failed rollouts are counted
+        by the guard; a cancellation (shutting down) propagates: the problem stays in flight and is
+        re-issued on resume."""
+        parts, problem = self.parts, train_problem(self.parts.problems, k)
+        if self.players is None:
+            group = await play_group(parts.task, problem, k, self.cfg, parts.chat, self.generate, self.guard)
+        else:
+            played = await self.players.play(k, problem)
+            self.guard.absorb(played.failures)
+            if played.appended:  # the worker wrote it to the stream the reader reads
+                return
+            group = RolloutGroup(str(k), played.rollouts)
+        if not is_playable(group):
+            with self.state.lock:
                 self.state.groups_dropped_errors += 1
                 self.state.in_flight.discard(k)
                 self.buffer.cancel()
-                return
-        self.stream.append(_record(k, RolloutGroup(group_id, rollouts)))
+            return
+        self.stream.append(group_record(k, group))
 
     async def produce(self, stop: asyncio.Event) -> None:
         """Admit problems while the staleness bound and the in-flight limit allow; one task per group."""
         state, tasks = self.state, set()
+        failed: list[BaseException] = []
+
+        def done(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            error = None if task.cancelled() else task.exception()
+            if error is not None:  # e.g. no rollout worker could play its group
+                failed.append(error)
+
         try:
             while not stop.is_set():
+                if failed:
+                    raise failed[0]
                 self.guard.check()  # too many failed rollouts: the run stops, naming the most common error
                 with state.lock:
                     room = len(state.in_flight) < self.cfg.pipeline.max_groups_in_flight
@@ -235,7 +246,7 @@ class _Pipeline:
                     continue
                 task = asyncio.create_task(self.rollout_group(k))
                 tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                task.add_done_callback(done)
         finally:
             for task in tasks:
                 task.cancel()
@@ -279,6 +290,8 @@ class _Pipeline:
                     metrics.update(self.guard.metrics())
                     metrics["groups_dropped_errors"] = float(self.state.groups_dropped_errors)
                     metrics["resume_regenerated"] = float(self.state.resume_regenerated)
+                    if self.players is not None:
+                        metrics["stream_duplicates"] = float(self.state.stream_duplicates)
                 informative = [g for g in batch if g.is_informative]
                 metrics["groups_uninformative_frac"] = 1 - len(informative) / len(batch)
                 samples = to_train_samples(informative, cfg.grpo.advantage)
@@ -301,6 +314,8 @@ class _Pipeline:
                 metrics.update(loop.metrics())  # pause per update, transfer s, stale-KV tokens (or replicas')
                 if self.launcher_metrics is not None:  # e.g. engine replicas restarted (launch/ray.py)
                     metrics.update(self.launcher_metrics())
+                if self.players is not None:  # e.g. groups lost with a rollout worker, played again
+                    metrics.update(self.players.metrics())
                 self.logger.log(step, metrics)
                 self.logger.log_rollout_samples(step, trained, self.parts.chat.tokenizer.decode)  # every N
                 self.history.append(metrics)
@@ -403,11 +418,13 @@ def run_pipeline(
     run_dir: str | Path,
     evaluate: Callable[[Driver], dict[str, float]] | None = None,
     launcher_metrics: Callable[[], dict[str, float]] | None = None,
+    players: GroupPlayer | None = None,
 ) -> list[dict[str, float]]:
     """Train up to cfg.grpo.steps steps (continuing a checkpoint in run_dir); returns this run's metrics.
 
     `evaluate(driver)` (the held-out evaluation) gets a driver into the engine loop (or the replicas),
     from the trainer's thread while the pipeline runs. `launcher_metrics()`: what the launcher counts
-    (replica restarts, say), logged with every step.
+    (replica restarts, say), logged with every step. `players`: where the groups are played, when not on
+    this process's event loop (a launcher's rollout workers).
     """
-    return _Pipeline(parts, cfg, logger, Path(run_dir), launcher_metrics).run(evaluate)
+    return _Pipeline(parts, cfg, logger, Path(run_dir), launcher_metrics, players).run(evaluate)

@@ -100,13 +100,17 @@ class RemoteEngines:
         update_timeout_s: float = 600.0,
         policy_adapter: str | None = None,
         transport: Transport = "filesystem",
+        follows_others: bool = False,
     ) -> None:
         """`policy_adapter`: LoRA RL; every request samples with that adapter, and `version` is its version
         (the policy's), not the base weights'. `transport`: how updates reach the replicas (files in
-        `weights_dir` they can read, or the request bodies)."""
+        `weights_dir` they can read, or the request bodies). `follows_others`: this one only generates
+        (a rollout worker's), another publishes; a replica that was away serves it once the other brought
+        it up to date (`BalancedClient`)."""
         self.urls = urls
         self.transport = transport
         self.policy_adapter = policy_adapter
+        self.follows_others = follows_others
         self._publisher = FilesystemPublisher(FilesystemSyncConfig(root=str(weights_dir)))
         self._weights_dir = weights_dir
         self._update_timeout_s = update_timeout_s
@@ -127,7 +131,7 @@ class RemoteEngines:
 
     async def astart(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._client = BalancedClient(self.urls)
+        self._client = BalancedClient(self.urls, follows_others=self.follows_others)
         await self._client.start()
 
     async def aclose(self) -> None:

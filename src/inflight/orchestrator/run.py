@@ -28,6 +28,7 @@ from inflight.metrics.plot import plot_run
 from inflight.orchestrator.drivers import Driver, InlineDriver
 from inflight.orchestrator.evaluate import evaluate
 from inflight.orchestrator.publish import policy_engine, publish
+from inflight.orchestrator.rollout_group import GroupPlayer
 from inflight.orchestrator.setup import (
     build_engine,
     build_loop_trainer,
@@ -56,13 +57,17 @@ def train(
     run_dir: str | Path,
     evaluate: Callable[[Driver], dict[str, float]] | None = None,
     launcher_metrics: Callable[[], dict[str, float]] | None = None,
+    players: GroupPlayer | None = None,
 ) -> list[dict[str, float]]:
-    """cfg.grpo.steps of GRPO by the sync loop or the pipeline (cfg.mode); returns this call's metrics."""
+    """cfg.grpo.steps of GRPO by the sync loop or the pipeline (cfg.mode); returns this call's metrics.
+    `players` (the pipeline's only): rollout workers elsewhere that play its groups."""
     if cfg.mode == "sync":
+        if players is not None:
+            raise UserError("rollout workers of their own (ray.num_rollout_workers) need mode=async")
         return train_sync(parts, cfg, logger, str(run_dir), evaluate)
     from inflight.orchestrator.pipeline import run_pipeline
 
-    return run_pipeline(parts, cfg, logger, run_dir, evaluate, launcher_metrics)
+    return run_pipeline(parts, cfg, logger, run_dir, evaluate, launcher_metrics, players)
 
 
 def run(
@@ -70,13 +75,16 @@ def run(
     task: Task,
     launcher_metrics: Callable[[], dict[str, float]] | None = None,
     make_trainer: Callable[[RunConfig, torch.nn.Module, object], StepTrainer] | None = None,
+    players: GroupPlayer | None = None,
 ) -> dict[str, Any]:
     """Train `task` as `cfg` says; returns the summary (also in RUN_DIR/summary.json).
 
     This is the whole run in this process; `launch/ray.py` calls it inside the trainer's actor, with
     `pipeline.engine_urls` naming the replicas it placed, `launcher_metrics` counting their restarts
     (logged with every pipeline step) and `make_trainer` building the trainer over the warmed-up model
-    (there: data-parallel ranks in actors of their own; by default `build_loop_trainer`)."""
+    (there: data-parallel ranks in actors of their own; by default `build_loop_trainer`) and `players`
+    playing the pipeline's groups (there: rollout workers in actors of their own; by default the
+    pipeline's event loop)."""
     t0 = time.perf_counter()
     train_problems = load_split(task, "train")
     test_problems = load_split(task, "test") if cfg.eval.num_episodes else []
@@ -117,7 +125,8 @@ def run(
             initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
             if initial:
                 logger.log(0, _test_metrics(initial), phase="eval")
-            history = train(parts, cfg, logger, run_dir, during if test_problems else None, launcher_metrics)
+            evaluate_during = during if test_problems else None
+            history = train(parts, cfg, logger, run_dir, evaluate_during, launcher_metrics, players)
             last_step = first_step + len(history)
             # The trained weights, whichever engine (or inference replica) generated with them.
             publish(parts.engine, trainer)

@@ -36,11 +36,12 @@ from inflight.metrics.progress import StepProgress
 from inflight.orchestrator.drivers import Driver, InlineDriver
 from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.publish import publish
+from inflight.orchestrator.rollout_group import play_group
 from inflight.orchestrator.task import Problems, Task, train_problem
-from inflight.rollouts.api import GenerateFn, RolloutContext
+from inflight.rollouts.api import GenerateFn
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer.process import StepTrainer
-from inflight.types import Rollout, RolloutGroup, SamplingParams, TrainSample
+from inflight.types import Rollout, RolloutGroup, TrainSample
 
 
 @dataclass
@@ -54,39 +55,19 @@ class LoopParts:
     problems: Problems  # the task's "train" split; problem k of the run is `train_problem(problems, k)`
 
 
-def sampling_params(cfg: RunConfig) -> SamplingParams:
-    """One policy turn during training."""
-    return SamplingParams(
-        max_tokens=cfg.sampling.max_tokens_per_turn,
-        temperature=cfg.sampling.temperature,
-        top_p=cfg.sampling.top_p,
-        top_k=cfg.sampling.top_k,
-    )
-
-
 async def sample_groups(
     parts: LoopParts, cfg: RunConfig, step: int, generate: GenerateFn, *, guard: RolloutGuard
 ) -> list[RolloutGroup]:
     """The step's groups, problem k = step * prompts_per_step + i; a group is group_size rollouts of it."""
-    per_step, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
-    params = sampling_params(cfg)
-
-    async def group(k: int) -> RolloutGroup:
-        problem = train_problem(parts.problems, k)
-        # Seeded per (problem, sample, turn): the tokens do not depend on the engine's batch, so the
-        # asynchronous pipeline at max_staleness_steps=0 draws exactly these samples.
-        contexts = [
-            RolloutContext(generate, parts.chat, params, str(k), k, j, cfg.seed, cfg) for j in range(g)
-        ]
-        results = await asyncio.gather(
-            *(guard.run(parts.task.generate_rollout, ctx, dict(problem)) for ctx in contexts)
+    per_step = cfg.grpo.prompts_per_step
+    return list(
+        await asyncio.gather(
+            *(
+                play_group(parts.task, train_problem(parts.problems, k), k, cfg, parts.chat, generate, guard)
+                for k in range(step * per_step, (step + 1) * per_step)
+            )
         )
-        rollouts = [r for r in results if r is not None]
-        for r in rollouts:
-            r.group_id = str(k)
-        return RolloutGroup(str(k), rollouts)
-
-    return list(await asyncio.gather(*(group(k) for k in range(step * per_step, (step + 1) * per_step))))
+    )
 
 
 def to_train_samples(groups: list[RolloutGroup], advantage: AdvantageMethod) -> list[TrainSample]:

@@ -19,7 +19,7 @@ from inflight.config import RunConfig
 from inflight.errors import UserError
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.guard import RolloutGuard
-from inflight.orchestrator.sync_loop import sampling_params
+from inflight.orchestrator.rollout_group import sampling_params
 from inflight.orchestrator.task import Problems, Task, WarmupReply, train_problem
 from inflight.rollouts.api import RolloutContext, scripted_policy
 from inflight.rollouts.chat import ChatFormat
