@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,3 +83,58 @@ def sample_body(sampling_session: str, seq_id: int, max_tokens: int, num_samples
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]},
         "sampling_params": {"max_tokens": max_tokens, "seed": 1, "stop": []},
     }
+
+
+@pytest.fixture(scope="module")
+def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A real `redis-server` on a free loopback port, no persistence, for this module's tests."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(
+            "redis-server is not installed (Debian: apt-get install redis-server); "
+            "the Redis stream tests need it"
+        )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"redis-server on port {port} did not answer PING within 10 s (exit code {proc.poll()})"
+                )
+            time.sleep(0.05)
+        yield port
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

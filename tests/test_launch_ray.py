@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -294,6 +295,81 @@ def test_a_verifier_actors_job_outlives_a_restart_and_a_dead_actor_is_a_counted_
         ray_cluster.kill(actor, no_restart=True)
 
 
+def test_rollout_workers_play_the_groups_and_a_killed_worker_is_restarted_its_groups_played_again(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ray.num_rollout_workers=2`: the groups are played in two actors of their own and come back through
+    Ray's object store. Worker 0's process SIGKILLed after the first step: the groups it was playing are
+    played again (on worker 1), Ray restarts it, it plays again, and no rollout is lost or stale."""
+    run_dir = tmp_path / "run"
+    steps = 200  # ~0.05-0.1 s each: the run outlasts the worker's restart (a new process loading inflight)
+    killed: dict[str, Any] = {}
+
+    def kill_worker_0_after_the_first_step() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not metrics_rows_or_none(run_dir):
+            time.sleep(0.1)
+        worker = ray_cluster.get_actor(f"{run_dir.name}:rollouts-0")
+        killed["pid"] = ray_cluster.get(worker.pid.remote())
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_worker_0_after_the_first_step, daemon=True)
+    killer.start()
+    summary = run_cli(
+        capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray",
+        "ray.num_rollout_workers=2", "ray.rollout_worker_cpus=0.25", "ray.engine_cpus=0.5",
+        "--run-dir", str(run_dir),
+    )  # fmt: skip
+    killer.join(30)
+    assert killed, "the worker was never killed"
+
+    assert summary["steps"] == steps
+    train = metrics_rows(run_dir, "train")
+    last = train[-1]
+    assert last["rollout_workers/lost"] >= 1, last  # it was playing groups when it died
+    assert last["rollout_workers/restarts"] == 1, last  # Ray restarted it, and it played again
+    assert last["rollout_workers/played"] >= steps * 4, last
+    assert (
+        last["rollout_workers/replica_calls"] > 0
+        and last["replicas/calls"] < last["rollout_workers/replica_calls"]
+    )
+    assert last["rollout_errors"] == 0 and last["groups_dropped_errors"] == 0, last
+    assert last["stream_duplicates"] == 0, last  # the object store hands a group back once
+    assert all(r["lag_steps_max"] <= 1 for r in train)  # the replayed groups kept the staleness bound
+    parity = [r["logprob_parity_max_abs"] for r in train if r.get("logprob_parity_token_frac")]
+    assert parity and max(parity) < 1e-3, parity  # the workers sampled the trainer's weights
+    wait_until_released(ray_cluster)
+
+
+def test_rollout_workers_write_their_groups_to_a_redis_stream(
+    ray_cluster: Any,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    redis_port: int,
+) -> None:
+    """`pipeline.stream_url=redis://...`: each worker appends its groups to the Redis stream itself and the
+    run's actor reads them from there; every trained group went through Redis."""
+    import redis
+
+    key = f"run-{uuid.uuid4().hex[:8]}"
+    run_dir = tmp_path / "run"
+    summary = run_cli(
+        capsys, "run", "blackjack", *tiny_run(tiny_model_dir, 4), "launcher=ray",
+        "ray.num_rollout_workers=1", "ray.rollout_worker_cpus=0.5", "ray.engine_cpus=0.5",
+        f"pipeline.stream_url=redis://127.0.0.1:{redis_port}/0?key={key}", "--run-dir", str(run_dir),
+    )  # fmt: skip
+    assert summary["steps"] == 4
+    last = metrics_rows(run_dir, "train")[-1]
+    written = redis.Redis(port=redis_port).xlen(key)
+    assert last["buffer/consumed"] == 4 * 4 and written >= last["buffer/consumed"], (written, last)
+    # Played groups are counted as their calls return, after the append: the last step saw at least the
+    # groups it trained.
+    assert last["rollout_workers/played"] >= last["buffer/consumed"] and last["stream_duplicates"] == 0, last
+    assert not (run_dir / "streams").exists()  # no file log beside it
+    wait_until_released(ray_cluster)
+
+
 def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
     ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -395,6 +471,14 @@ def test_fsdp_on_ray_refuses_what_it_cannot_shard(tiny_model_dir: Path) -> None:
     ):
         with pytest.raises(UserError, match="trainer_sharding=fsdp shards full-parameter training"):
             apply_overrides(cfg, [*sharded, *extra])
+
+
+def test_rollout_workers_need_the_pipeline() -> None:
+    cfg = resolve_target("blackjack").config()
+    workers = ["launcher=ray", "ray.num_rollout_workers=2"]
+    assert apply_overrides(cfg, [*workers, "mode=async"]).ray.num_rollout_workers == 2
+    with pytest.raises(UserError, match=r"ray.num_rollout_workers=2: .* set mode=async"):
+        apply_overrides(cfg, [*workers, "mode=sync"])
 
 
 @pytest.mark.parametrize("engine", ["builtin", "vllm"])
@@ -503,6 +587,16 @@ def test_placement_bundles_follow_the_devices() -> None:
     assert bundles(ranks, cluster_has_gpus=True) == [
         {"CPU": 1.0, "GPU": 1.0},
         *[{"CPU": 1.0, "GPU": 0.5}] * 3,
+    ]
+    # Verifier actors, then rollout workers: CPU bundles of their own, never a GPU.
+    cpus = ["ray.num_verifier_actors=1", "ray.num_rollout_workers=2", "ray.rollout_worker_cpus=0.25"]
+    around = apply_overrides(gpu, cpus)
+    assert bundles(around, cluster_has_gpus=True) == [
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 0.5},
+        {"CPU": 1.0},
+        {"CPU": 0.25},
+        {"CPU": 0.25},
     ]
 
 

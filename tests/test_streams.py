@@ -36,58 +36,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail(
-            "redis-server is not installed (Debian: apt-get install redis-server); "
-            "the Redis stream tests need it"
-        )
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"redis-server on port {port} did not answer PING within 10 s (exit code {proc.poll()})"
-                )
-            time.sleep(0.05)
-        yield port
-    finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(params=["memory", "file", "redis"])
 def stream_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A URL naming one fresh stream per test; opening it again reopens the same stream."""

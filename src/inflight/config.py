@@ -232,6 +232,12 @@ class RunConfig(_Config):
                 "engine.backend=vllm serves the asynchronous pipeline from vLLM processes this run starts: "
                 "set mode=async"
             )
+        if self.ray.num_rollout_workers and self.launcher == "ray" and self.mode != "async":
+            raise ValueError(
+                f"ray.num_rollout_workers={self.ray.num_rollout_workers}: rollout workers of their own play "
+                "the pipeline's groups; the sync loop plays its own: set mode=async, or "
+                "ray.num_rollout_workers=0"
+            )
         sharded = self.ray.trainer_sharding == "fsdp" and self.launcher == "ray"
         unshardable = self.ray.num_trainer_ranks < 2 or self.trainer.lora_rank or self.trainer.loss.kl_coef
         if sharded and unshardable:

@@ -52,11 +52,6 @@ def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
             "launcher=ray starts its own engine replicas (ray.num_engine_replicas): "
             "unset pipeline.engine_urls"
         )
-    if cfg.ray.num_rollout_workers and cfg.mode != "async":
-        raise UserError(
-            f"ray.num_rollout_workers={cfg.ray.num_rollout_workers}: rollout workers of their own play the "
-            "pipeline's groups; the sync loop plays its own: set mode=async, or ray.num_rollout_workers=0"
-        )
     ray = _import_ray()
     from inflight.orchestrator.setup import resolve_model, run_dir_path
 
@@ -844,6 +839,9 @@ class RolloutWorker:
         self._started = False
         if verifiers:  # this process's environments send their sandboxed code to the verifier actors
             set_default_pool(RayVerifiers(verifiers))
+
+    def pid(self) -> int:
+        return os.getpid()
 
     async def play(self, problem_index: int, problem: Problem) -> tuple[PlayedGroup, int, dict[str, float]]:
         """The group, this process's id (a new one: Ray restarted the worker) and its client's counters."""
