@@ -13,7 +13,9 @@
 
 (c) Only with `--only ray` (needs `inflight[ray]`): BlackJack through `launcher=ray` (a private local Ray:
     one engine replica actor serving HTTP, and the run's actor) against the local launcher, the same
-    configuration without evaluation; `ratio_ray_vs_local` (issue 13's goal: >= 0.7).
+    configuration without evaluation; `ratio_ray_vs_local` (issue 13's goal: >= 0.7). With
+    `--rollout-workers N` the Ray side plays its groups in N rollout worker actors
+    (`ray.num_rollout_workers`; the replica's and the workers' bundles share one logical CPU).
 
 Both sides of a pair start from the same weights and run the same number of steps; completions/s
 counts the trained rollouts over the wall time, and "reward after equal wall time" is each side's
@@ -226,6 +228,10 @@ def ray_pair(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         side_cfg.run_dir = str(tmp / f"ray-pair-{side}")
         if side == "ray":
             side_cfg.launcher = "ray"
+            if args.rollout_workers:
+                side_cfg.ray.num_rollout_workers = args.rollout_workers
+                side_cfg.ray.engine_cpus = 0.5
+                side_cfg.ray.rollout_worker_cpus = 0.5 / args.rollout_workers
             run_on_ray(side_cfg, "blackjack")
         else:
             run(side_cfg, task)
@@ -257,7 +263,16 @@ def main(argv: list[str] | None = None) -> dict:
         help="run one pair: blackjack or latency (both by default), or ray (launcher=ray against the local "
         "launcher on BlackJack; needs inflight[ray]; only when asked for)",
     )
+    parser.add_argument(
+        "--rollout-workers",
+        type=int,
+        default=0,
+        help="with --only ray: the Ray side plays its groups in this many rollout worker actors "
+        "(ray.num_rollout_workers; 0: on the run's actor)",
+    )
     args = parser.parse_args(argv)
+    if args.rollout_workers and args.only != "ray":
+        parser.error("--rollout-workers goes with --only ray")
     result: dict[str, Any] = {
         "benchmark": "pipeline",
         "steps": args.steps,
@@ -275,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.only == "ray":
             pair = ray_pair(args, Path(tmp))
             result["ratio_ray_vs_local"] = pair.pop("ratio")
+            result["rollout_workers"] = args.rollout_workers
             result["ray"] = pair
     print(json.dumps(result))
     return result
