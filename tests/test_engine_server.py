@@ -1052,6 +1052,35 @@ def test_balanced_client_keeps_every_replica_on_the_same_adapters(
     assert {r.url: r.served > 0 for r in metrics.replicas} == {urls[0]: True, urls[1]: True}
 
 
+def test_removing_an_adapter_during_a_total_outage_succeeds_once_a_replica_is_back(
+    tiny_model_dir, tokenizer, lora_shapes
+) -> None:
+    """Every replica down, then one back restarted (no adapters): removing an adapter this client set
+    waits for it and succeeds (gone everywhere, as asked), rather than a 404 for a name it knows; a name
+    it never set is still a 404."""
+    server = InProcessServer(lambda: create_app(make_engine(tiny_model_dir), tokenizer)).start()
+    adapter = random_adapter(lora_shapes, "gone", 1, seed=3)
+
+    async def main():
+        config = ClientConfig(health_interval_s=0.2, health_timeout_s=2, outage_wait_s=30)
+        async with BalancedClient([server.url], config) as client:
+            await client.set_adapter_raw(adapter)
+            server.stop()
+            await wait_until(lambda: not client.metrics().replicas[0].healthy, 30, "the replica down")
+            restart = asyncio.get_running_loop().call_later(0.5, server.start)
+            removed = await client.remove_adapter("gone")  # waits for the replica to come back
+            restart.cancel()
+            with pytest.raises(EngineRequestError, match="no replica has an adapter named 'never'"):
+                await client.remove_adapter("never")
+            return removed, client.metrics()
+
+    try:
+        removed, metrics = asyncio.run(main())
+    finally:
+        server.stop()
+    assert removed == [] and metrics.replicas[0].healthy and metrics.recoveries == 1
+
+
 def test_remote_engines_ship_an_adapter_as_a_peft_directory(
     tiny_model_dir, tokenizer, lora_shapes, tmp_path: Path
 ) -> None:

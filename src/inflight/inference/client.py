@@ -428,7 +428,8 @@ class BalancedClient:
 
     async def remove_adapter(self, name: str) -> list[str]:
         """Remove adapter `name` from every healthy replica (and from a recovering one when it is back);
-        returns the urls that had it. EngineRequestError when no replica had it."""
+        returns the urls that had it. EngineRequestError when no replica had it and this client never set
+        it (one it set may be gone from every replica already: restarted during an outage, say)."""
 
         async def remove(client: EngineClient) -> bool:
             try:
@@ -439,12 +440,12 @@ class BalancedClient:
                 return False  # already absent there (e.g. a replica restarted since)
             return True
 
-        self._adapters.pop(name, None)
+        known = self._adapters.pop(name, None) is not None
         self._removed.add(name)
         removed = [
             url for url, had in (await self._broadcast(remove, f"remove_adapter({name!r})")).items() if had
         ]
-        if not removed:
+        if not removed and not known:
             raise EngineRequestError(f"remove_adapter: no replica has an adapter named {name!r}", 404)
         return removed
 
