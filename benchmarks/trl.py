@@ -8,7 +8,8 @@ Shape (issue 16 item 6): 8 prompts x 8 samples x up to 32 generated tokens per s
   k of step s is k = 8 s + i on every side (TRL's dataset unshuffled, inflight's train problems in order).
 - inflight, twice from the same weights: `mode=async` (the default pipeline, its default staleness bound;
   active sampling off so it trains exactly the prompts the others do) and `mode=sync`, each through
-  `inflight.orchestrator.run.train`, the function `inflight run` trains with.
+  `inflight.orchestrator.run.train`, the function `inflight run` trains with, and the trainer `inflight run`
+  builds (`setup.build_loop_trainer`: the pipeline's in a process of its own on 2+ cores).
 - TRL: `GRPOTrainer` (trl==1.16.0, torch==2.13.0 CPU, transformers pinned) in its own virtual environment,
   built once by `launch/venv_cache.py` and cached (`--trl-env`), in a subprocess (`benchmarks/trl_side.py`).
 
@@ -153,11 +154,12 @@ def run_inflight(
     from inflight.metrics.logger import METRICS_FILE, MetricsLogger
     from inflight.orchestrator.publish import policy_engine
     from inflight.orchestrator.run import train
-    from inflight.orchestrator.setup import build_engine, build_trainer, load_policy
+    from inflight.orchestrator.setup import build_engine, build_loop_trainer, load_policy
     from inflight.orchestrator.sync_loop import LoopParts
     from inflight.orchestrator.task import Task, load_split
     from inflight.rollouts.chat import ChatFormat
     from inflight.trainer import LossConfig, TrainerConfig
+    from inflight.trainer.process import TrainerProcess
 
     cfg = RunConfig(
         recipe="bench-trl",
@@ -189,11 +191,17 @@ def run_inflight(
     model, tokenizer = load_policy(cfg)
     chat = ChatFormat.for_model(tokenizer, model)
     engine = build_engine(cfg, model, tokenizer)
-    trainer = build_trainer(model, tokenizer, cfg.trainer, cfg.grpo.steps)
+    # As `inflight run` builds it: the pipeline's trainer in a process of its own on a CPU with 2+ cores
+    # (pipeline.trainer_process=auto), the sync loop's in this process.
+    trainer = build_loop_trainer(cfg, model, tokenizer)
     parts = LoopParts(policy_engine(engine, trainer), trainer, chat, task, load_split(task, "train"))
-    logger = MetricsLogger(out)  # its time_s counts from here: the start of training
-    train(parts, cfg, logger, out)
-    logger.close()
+    try:
+        logger = MetricsLogger(out)  # its time_s counts from here: the start of training
+        train(parts, cfg, logger, out)
+        logger.close()
+    finally:
+        if isinstance(trainer, TrainerProcess):
+            trainer.close()
     rows = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     return [
         {"step": r["step"], "end_s": r["time_s"], "reward": r["reward_mean"], "tokens": r["generated_tokens"]}
