@@ -565,6 +565,12 @@ def test_the_services_training_actor_raises_its_errors_as_they_are(
             compute.create_adapter("m", "tiny", LoraSpec(rank=8, seed=0))
         [name] = [n for n in ray_cluster.util.list_named_actors() if n.endswith(":trainer")]
         ray_cluster.kill(ray_cluster.get_actor(name))
+        # ray.kill returns before the actor is gone: a call made at once may still be served by it.
+        deadline = time.monotonic() + 30
+        with contextlib.suppress(ValueError):  # get_actor: no such actor any more
+            while time.monotonic() < deadline:
+                ray_cluster.get_actor(name)
+                time.sleep(0.1)
         with pytest.raises(RuntimeError, match="the service's training actor is gone"):
             compute.has_adapter("m")
     wait_until_released(ray_cluster)
