@@ -376,6 +376,50 @@ def test_rollout_workers_write_their_groups_to_a_redis_stream(
     wait_until_released(ray_cluster)
 
 
+SANDBOXED_TASK = """
+from inflight.envs.sandbox import default_pool
+
+
+def load_problems(split):
+    return [{"k": k} for k in range(1000 if split == "train" else 4)]
+
+
+async def generate_rollout(ctx, problem):
+    chat = ctx.chat()
+    chat.user(f"Problem {problem['k']}")
+    reply = await chat.assistant()
+    result = await default_pool().run(f"print({problem['k']} + 1)")  # wherever the default pool runs it
+    correct = result.ok and result.stdout.strip() == str(problem["k"] + 1)
+    return chat.to_rollout(float(correct) * (0.5 + 0.5 * (len(reply) % 2)))
+"""
+
+
+def test_a_rollout_workers_sandboxes_run_in_the_verifier_actors(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rollout workers and verifier actors together: the sandboxed code of the rollouts a worker plays goes
+    to the verifier actors (the worker installs them as its default pool), counted in the run's metrics."""
+    task = tmp_path / "sandboxed.py"
+    task.write_text(SANDBOXED_TASK)
+    run_dir = tmp_path / "run"
+    summary = run_cli(
+        capsys, "run", str(task), "progress=false", f"model.path={tiny_model_dir}", "warmup.sft_steps=0",
+        "grpo.steps=3", "grpo.prompts_per_step=2", "grpo.group_size=4", "eval.num_episodes=2",
+        "pipeline.active_sampling=false", "launcher=ray", "ray.num_rollout_workers=1",
+        "ray.rollout_worker_cpus=0.25", "ray.num_verifier_actors=1", "ray.verifier_cpus=0.25",
+        "ray.engine_cpus=0.5", "--run-dir", str(run_dir),
+    )  # fmt: skip
+    assert summary["steps"] == 3
+    train = metrics_rows(run_dir, "train")
+    last = train[-1]
+    # One sandbox job per rollout the worker played, all answered by the verifier actor, correctly.
+    played = last["rollout_workers/verifiers_submitted"]
+    assert played >= 3 * 2 * 4 and last["rollout_workers/verifiers_completed"] == played, last
+    assert last["rollout_workers/verifiers_actor_failures"] == 0, last
+    assert min(r["reward_mean"] for r in train) > 0, [r["reward_mean"] for r in train]
+    wait_until_released(ray_cluster)
+
+
 def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
     ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -837,14 +837,17 @@ class RolloutWorker:
             follows_others=True,
         )
         self._started = False
-        if verifiers:  # this process's environments send their sandboxed code to the verifier actors
-            set_default_pool(RayVerifiers(verifiers))
+        # This process's environments send their sandboxed code to the verifier actors.
+        self.verifiers = RayVerifiers(verifiers) if verifiers else None
+        if self.verifiers is not None:
+            set_default_pool(self.verifiers)
 
     def pid(self) -> int:
         return os.getpid()
 
     async def play(self, problem_index: int, problem: Problem) -> tuple[PlayedGroup, int, dict[str, float]]:
-        """The group, this process's id (a new one: Ray restarted the worker) and its client's counters."""
+        """The group, this process's id (a new one: Ray restarted the worker) and its counters: its replica
+        client's (replicas/*) and its verifier client's (verifiers/*)."""
         import asyncio
 
         from inflight.orchestrator.rollout_group import PlayedGroup, group_record, is_playable, play_group
@@ -866,7 +869,8 @@ class RolloutWorker:
             await asyncio.to_thread(self.stream.append, group_record(problem_index, group))
         rollouts = [] if appended else group.rollouts
         played = PlayedGroup(problem_index, rollouts, appended, self.guard.take_counts())
-        return played, os.getpid(), self.engines.metrics()
+        counters = self.engines.metrics() | ({} if self.verifiers is None else self.verifiers.metrics())
+        return played, os.getpid(), counters
 
 
 class RayRolloutWorkers:
@@ -920,10 +924,19 @@ class RayRolloutWorkers:
         )
 
     def metrics(self) -> dict[str, float]:
+        """Groups played, lost, workers restarted; the workers' replica clients' counters summed
+        (`replica_calls`, `replica_retries`, `replica_failures`, `replica_recoveries`) and, with verifier
+        actors, their sandbox jobs (`verifiers_submitted`, `verifiers_completed`, ...), as of each
+        worker's last group."""
         out = {f"rollout_workers/{key}": float(value) for key, value in self._counts.items()}
-        for key in ("calls", "retries", "replica_failures", "recoveries"):  # the workers' clients, summed
+        for key in ("calls", "retries", "replica_failures", "recoveries"):
             out[f"rollout_workers/replica_{key.removeprefix('replica_')}"] = sum(
                 client.get(f"replicas/{key}", 0.0) for client in self._clients
+            )
+        verifier_keys = sorted({k for client in self._clients for k in client if k.startswith("verifiers/")})
+        for key in verifier_keys:
+            out[f"rollout_workers/verifiers_{key.removeprefix('verifiers/')}"] = sum(
+                client.get(key, 0.0) for client in self._clients
             )
         return out
 
