@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,30 @@ def kill_after_a_checkpoint(ray: Any, run_dir: Path, actor: str) -> threading.Th
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
     return killer
+
+
+def sigkill_after_the_first_step(
+    ray: Any,
+    run_dir: Path,
+    actor: str,
+    ask_pid: Callable[[Any], Any],
+    pid_of: Callable[[Any], int],
+) -> tuple[threading.Thread, dict[str, int]]:
+    """A started thread that SIGKILLs a process of actor RUN_NAME:`actor` once the run has logged its first
+    step: a crash, not a polite exit. `ask_pid(handle)` is the actor call whose answer `pid_of` reads the
+    pid from; the pid killed lands in the returned dict."""
+    killed: dict[str, int] = {}
+
+    def kill() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not metrics_rows_or_none(run_dir):
+            time.sleep(0.1)
+        killed["pid"] = pid_of(ray.get(ask_pid(ray.get_actor(f"{run_dir.name}:{actor}"))))
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer, killed
 
 
 def wait_until_released(ray: Any) -> None:
@@ -207,18 +231,10 @@ def test_vllm_replicas_on_ray_sample_the_trainers_weights_and_a_killed_vllm_proc
     require_vllm_env()
     run_dir = tmp_path / "run"
     steps = 12
-    killed: dict[str, int] = {}
-
-    def kill_the_vllm_process_after_the_first_step() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not metrics_rows_or_none(run_dir):
-            time.sleep(0.1)
-        replica = ray_cluster.get_actor(f"{run_dir.name}:engine-0")
-        killed["pid"] = ray_cluster.get(replica.info.remote()).pid
-        os.kill(killed["pid"], signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_the_vllm_process_after_the_first_step, daemon=True)
-    killer.start()
+    # The replica actor's info() names its vLLM process.
+    killer, killed = sigkill_after_the_first_step(
+        ray_cluster, run_dir, "engine-0", lambda replica: replica.info.remote(), lambda info: info.pid
+    )
     summary = run_cli(
         capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray", "engine.backend=vllm",
         "pipeline.max_staleness_steps=0", "--run-dir", str(run_dir),
@@ -303,18 +319,9 @@ def test_rollout_workers_play_the_groups_and_a_killed_worker_is_restarted_its_gr
     played again (on worker 1), Ray restarts it, it plays again, and no rollout is lost or stale."""
     run_dir = tmp_path / "run"
     steps = 200  # ~0.05-0.1 s each: the run outlasts the worker's restart (a new process loading inflight)
-    killed: dict[str, Any] = {}
-
-    def kill_worker_0_after_the_first_step() -> None:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not metrics_rows_or_none(run_dir):
-            time.sleep(0.1)
-        worker = ray_cluster.get_actor(f"{run_dir.name}:rollouts-0")
-        killed["pid"] = ray_cluster.get(worker.pid.remote())
-        os.kill(killed["pid"], signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_worker_0_after_the_first_step, daemon=True)
-    killer.start()
+    killer, killed = sigkill_after_the_first_step(
+        ray_cluster, run_dir, "rollouts-0", lambda worker: worker.pid.remote(), lambda pid: pid
+    )
     summary = run_cli(
         capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray",
         "ray.num_rollout_workers=2", "ray.rollout_worker_cpus=0.25", "ray.engine_cpus=0.5",
