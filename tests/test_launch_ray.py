@@ -637,6 +637,11 @@ def test_a_placement_larger_than_the_local_ray_is_one_line_at_once(
     assert len(err) == 1 and "needs 4 CPUs" in err[0] and "the local Ray has 2" in err[0], err
     assert "ray.engine_cpus=0.5" in err[0]
     assert time.monotonic() - start < 60  # not after ray.placement_timeout_s (120 s)
+    # Rollout workers at their default CPU each: the line says what a worker needs.
+    argv = ["run", "blackjack", f"model.path={tiny_model_dir}", "launcher=ray", "ray.num_rollout_workers=2"]
+    assert main([*argv, "--run-dir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs 4 CPUs" in err[0] and "ray.rollout_worker_cpus=0.25" in err[0], err
 
 
 def test_placement_bundles_follow_the_devices() -> None:

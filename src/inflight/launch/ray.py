@@ -320,8 +320,9 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     shape = bundles(cfg, has_gpus)
     fix = (
-        "Lower ray.num_engine_replicas, ray.engine_cpus (e.g. ray.engine_cpus=0.5), ray.trainer_cpus or "
-        "ray.num_verifier_actors, or add nodes"
+        "Lower ray.num_engine_replicas, ray.engine_cpus (e.g. ray.engine_cpus=0.5), ray.trainer_cpus, "
+        "ray.num_verifier_actors or ray.num_rollout_workers (or their *_cpus: a rollout worker needs little, "
+        "e.g. ray.rollout_worker_cpus=0.25), or add nodes"
     )
     group = _reserve(ray, shape, cfg.ray, "launcher=ray", fix)
 
