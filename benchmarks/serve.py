@@ -19,7 +19,9 @@ alike (medians); `api_overhead_ms` is their difference. `api_floor_ms` is the sa
 once by a stub in front of the server (no database, no worker, no compute): the SDK's and HTTP's own cost,
 which no server can remove. --api-server picks the server: `thread` (default) is the app under uvicorn in
 this process, so the SDK's threads share its interpreter; `process` is `inflight serve` in its own
-process, as users run it (no floor then).
+process, as users run it (no floor then). --queue-history N times the worker's claim of a model's next
+request on a fresh futures queue and after N earlier requests of that model (`claim_ms_fresh`,
+`claim_ms_after_history`): the per-request cost must not grow over a long session.
 Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64 --dtype auto]` (default model: the tiny
 preset, built locally; dtype as `inflight serve --dtype`, reported in the JSON).
 """
@@ -32,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,6 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
         type=int,
         default=3,
         help="timed checkpoint round trips (save, download, load into peft) through the API (0 = skip)",
+    )
+    parser.add_argument(
+        "--queue-history",
+        type=int,
+        default=0,
+        help="also time the futures queue's claim (SQLite) after this many earlier requests of one model "
+        "against a fresh queue: claim_ms_fresh, claim_ms_after_history (0 = skip)",
     )
     parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
     args = parser.parse_args(argv)
@@ -200,8 +210,46 @@ def main(argv: list[str] | None = None) -> dict:
                 dtype=args.dtype,
             )
         )
+    if args.queue_history > 0:
+        result.update(measure_queue_claims(args.queue_history))
     print(json.dumps(result))
     return result
+
+
+def measure_queue_claims(history: int, samples: int = 50) -> dict[str, Any]:
+    """Median ms of the worker's claim of a model's next request (`FutureStore.claim_ready`, SQLite in a
+    temporary directory) on a fresh queue, then after `history` requests of that model were submitted,
+    claimed and completed: a claim should not grow with a model's history."""
+    from inflight.api.db import Database
+    from inflight.api.futures import FIRST_SEQ_ID, FutureStore, RequestType
+
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-serve-queue-") as tmp:
+        database = Database(f"sqlite:///{tmp}/state.db")
+        store = FutureStore(database)
+        seq_ids = iter(range(FIRST_SEQ_ID, FIRST_SEQ_ID + history + 2 * samples))
+
+        def one(timed: list[float] | None) -> None:
+            store.submit("model", next(seq_ids), RequestType.FORWARD_BACKWARD, b"request")
+            start = time.perf_counter()
+            [head] = store.claim_ready().futures
+            if timed is not None:
+                timed.append(1000 * (time.perf_counter() - start))
+            store.complete(head.request_id, b"result")
+
+        fresh: list[float] = []
+        for _ in range(samples):
+            one(fresh)
+        for _ in range(history):
+            one(None)
+        later: list[float] = []
+        for _ in range(samples):
+            one(later)
+        database.close()
+    return {
+        "queue_history": history,
+        "claim_ms_fresh": round(statistics.median(fresh), 3),
+        "claim_ms_after_history": round(statistics.median(later), 3),
+    }
 
 
 # ---- API overhead and checkpoint round trip -------------------------------------------------------------

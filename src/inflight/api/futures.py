@@ -15,7 +15,19 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal, cast, get_args
 
-from sqlalchemy import ColumnElement, Connection, Row, Select, Table, bindparam, func, insert, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Row,
+    Select,
+    Table,
+    bindparam,
+    case,
+    func,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 
 from inflight.api.db import Database, FutureRow, utcnow
@@ -523,6 +535,11 @@ def _ready_heads_query(*, one_model: bool) -> Select[tuple[int, int]]:
     A model's head is its lowest pending seq_id; it may run once every seq_id below it exists and has left
     pending (running, done, or failed, which a rejected or cancelled request can be out of order). seq_ids
     are unique, so "every one below exists" is a count, and a missing seq_id holds back the rest.
+    The count reads every earlier future of the model, so it is the fallback: a head whose predecessor
+    was claimed once (`started_at` set) is ready without it, since that claim found every seq_id below the
+    predecessor present, and rows never return to pending nor go away. Only a predecessor that never ran
+    (rejected, cancelled or failed while pending) needs the count. (The count alone made a claim grow with
+    the model's history: 0.3 ms fresh, 4 ms after 20,000 requests.)
     """
     futures = _FUTURES.c
     pending = [futures.status == "pending", futures.request_type.in_(_ORDERED_TYPES)]
@@ -535,16 +552,25 @@ def _ready_heads_query(*, one_model: bool) -> Select[tuple[int, int]]:
         .subquery()
     )
     below = _FUTURES.alias("below")
+    ordered_below = (below.c.model_id == heads.c.model_id, below.c.request_type.in_(_ORDERED_TYPES))
+    predecessor_ran = (
+        select(below.c.request_id)
+        .where(*ordered_below, below.c.seq_id == heads.c.seq_id - 1, below.c.started_at.is_not(None))
+        .exists()
+    )
     count_below = (
-        select(func.count())
-        .where(below.c.model_id == heads.c.model_id, below.c.request_type.in_(_ORDERED_TYPES))
-        .where(below.c.seq_id < heads.c.seq_id)
-        .scalar_subquery()
+        select(func.count()).where(*ordered_below, below.c.seq_id < heads.c.seq_id).scalar_subquery()
+    )
+    # CASE, not OR: evaluated in order on every backend, so the count runs only where the shortcut fails.
+    ready = case(
+        (heads.c.seq_id == FIRST_SEQ_ID, True),
+        (predecessor_ran, True),
+        else_=count_below == heads.c.seq_id - FIRST_SEQ_ID,
     )
     return (
         select(futures.request_id, heads.c.queued)
         .join(heads, (futures.model_id == heads.c.model_id) & (futures.seq_id == heads.c.seq_id))
-        .where(count_below == heads.c.seq_id - FIRST_SEQ_ID)
+        .where(ready)
         .order_by(futures.model_id)
     )
 
