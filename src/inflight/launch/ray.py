@@ -817,7 +817,7 @@ class RolloutWorker:
         from inflight.models import load_tokenizer
         from inflight.models.chat_template import generation_stop_ids_of
         from inflight.orchestrator.guard import RolloutGuard
-        from inflight.orchestrator.remote_engine import RemoteEngines, weight_transport
+        from inflight.orchestrator.remote_engine import RemoteEngines
         from inflight.orchestrator.target import resolve_target
         from inflight.rollouts.chat import ChatFormat
         from inflight.trainer.lora_policy import ADAPTER_NAME
@@ -830,11 +830,11 @@ class RolloutWorker:
         self.chat = ChatFormat(load_tokenizer(cfg.model.path), None, generation_stop_ids_of(cfg.model.path))
         self.guard = RolloutGuard(cfg.rollout, 1)  # logs here; the run's guard judges the counts
         self.stream = open_stream(cfg.pipeline.stream_url) if cfg.pipeline.stream_url else None
+        # Generation only (the run's actor publishes): no transport to choose, nothing written here.
         self.engines = RemoteEngines(
             cfg.pipeline.engine_urls,
             Path(cfg.run_dir) / "weights",
             policy_adapter=ADAPTER_NAME if cfg.trainer.lora_rank else None,
-            transport=weight_transport(cfg.pipeline.weight_transport, cfg.pipeline.engine_urls),
             follows_others=True,
         )
         self._started = False

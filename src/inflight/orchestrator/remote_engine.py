@@ -111,7 +111,7 @@ class RemoteEngines:
         self.transport = transport
         self.policy_adapter = policy_adapter
         self.follows_others = follows_others
-        self._publisher = FilesystemPublisher(FilesystemSyncConfig(root=str(weights_dir)))
+        self._publisher: FilesystemPublisher | None = None  # made on the first file update (it makes the dir)
         self._weights_dir = weights_dir
         self._update_timeout_s = update_timeout_s
         self._client: BalancedClient | None = None
@@ -162,6 +162,8 @@ class RemoteEngines:
         if self.transport == "http":
             self._wait(self._client.update_weights_raw(weights_bytes(update.state_dict), update.version))
         else:
+            if self._publisher is None:
+                self._publisher = FilesystemPublisher(FilesystemSyncConfig(root=str(self._weights_dir)))
             self._publisher.publish(update.state_dict, update.version)
             path = str(weights_path(self._weights_dir, update.version).resolve())
             self._wait(self._client.update_weights(path, update.version))
