@@ -419,9 +419,11 @@ def test_a_rollout_workers_sandboxes_run_in_the_verifier_actors(
     assert summary["steps"] == 3
     train = metrics_rows(run_dir, "train")
     last = train[-1]
-    # One sandbox job per rollout the worker played, all answered by the verifier actor, correctly.
-    played = last["rollout_workers/verifiers_submitted"]
-    assert played >= 3 * 2 * 4 and last["rollout_workers/verifiers_completed"] == played, last
+    # One sandbox job per rollout the worker played, answered by the verifier actor: at least the trained
+    # rollouts' jobs by the last step (groups still in flight then may have submitted theirs unanswered).
+    submitted = last["rollout_workers/verifiers_submitted"]
+    completed = last["rollout_workers/verifiers_completed"]
+    assert 3 * 2 * 4 <= completed <= submitted, last
     assert last["rollout_workers/verifiers_actor_failures"] == 0, last
     assert min(r["reward_mean"] for r in train) > 0, [r["reward_mean"] for r in train]
     wait_until_released(ray_cluster)
