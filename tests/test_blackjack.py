@@ -190,12 +190,13 @@ def test_unparseable_action_ends_the_hand_with_the_format_penalty() -> None:
         True,
         -2.0,
         "format_error",
-        {"format_error": 1},
+        {"format_error": 1, "strategy_errors": 0},
     )
     assert "Invalid action" in obs.prompt
     assert env.counters["format_errors"] == 1 and env.counters["losses"] == 0
     env.reset(cards=["10", "9", "6", "8"])
-    assert env.step(TextAction(text=" Stand ")).metadata == {"format_error": 0}
+    # Parsed despite the spaces and capital; standing on 16 against a 9 is not basic strategy's choice.
+    assert env.step(TextAction(text=" Stand ")).metadata == {"format_error": 0, "strategy_errors": 1}
     with pytest.raises(RuntimeError, match="after the hand ended"):
         env.step(TextAction(text="hit"))
 
@@ -209,6 +210,28 @@ def test_counters_partition_finished_hands() -> None:
     c = env.counters
     assert c["hands"] == 2000 == c["wins"] + c["losses"] + c["pushes"] + c["format_errors"]
     assert 0 < c["busts"] <= c["losses"] and 0 < c["naturals"] <= c["wins"] + c["pushes"]
+
+
+def test_strategy_errors_count_a_hands_decisions_other_than_basic_strategys() -> None:
+    env = BlackJackEnv()
+    # Hard 12 against a dealer's 2: basic strategy hits; standing is one error.
+    env.reset(cards=["10", "2", "2", "10", "10"])
+    assert env.step(TextAction(text="stand")).metadata["strategy_errors"] == 1
+    # Hard 10 against a 6: hit (right) to 16, then hit again (wrong: 16 stands against a 6) and bust.
+    env.reset(cards=["4", "6", "6", "10", "6", "9"])
+    assert not env.step(TextAction(text="hit")).done
+    obs = env.step(TextAction(text="hit"))
+    assert obs.done and obs.outcome == "bust" and obs.metadata["strategy_errors"] == 1
+    # Basic strategy itself makes none, on every hand; always standing makes some on most seeds.
+    errors = {"basic": 0.0, "stand": 0.0}
+    for policy in errors:
+        for seed in range(500):
+            obs = env.reset(seed=seed)
+            while not obs.done:
+                move = basic_strategy_policy(obs) if policy == "basic" else "stand"
+                obs = env.step(TextAction(text=move))
+            errors[policy] += obs.metadata["strategy_errors"]
+    assert errors["basic"] == 0 and errors["stand"] > 100, errors
 
 
 def test_bad_inputs_fail_fast() -> None:

@@ -42,6 +42,8 @@ def test_blackjack_reward_rises(tmp_path: Path, capsys: pytest.CaptureFixture[st
     # gains (seeds 0, 1): +0.053, +0.114; the margin is half the smallest.
     assert summary["return_final_sampled"] > summary["return_initial_sampled"] + 0.025, summary
     assert {"return_initial", "return_final", "return_basic_strategy", "wall_s"} <= summary.keys()
+    # Decisions other than basic strategy's per hand, greedy, on the same hands (a hand has 0-8 decisions).
+    assert 0 <= summary["strategy_errors_final"] <= 8 and 0 <= summary["strategy_errors_initial"] <= 8
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train"]

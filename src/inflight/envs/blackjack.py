@@ -137,7 +137,9 @@ class BlackJackEnv(Environment[TextAction, BlackJackObservation, BlackJackState]
     """One hand per episode; an unparseable action ends it with reward `format_penalty`.
 
     Counters split finished hands into wins, losses, pushes and format_errors; busts are losses and
-    naturals are the player's two-card 21s (wins or pushes).
+    naturals are the player's two-card 21s (wins or pushes). A finished hand's metadata says whether it
+    ended in a format error and how many of its decisions were not basic strategy's (`strategy_errors`):
+    averaged over hands, a measure of the policy that does not wait on the cards' luck as the return does.
     """
 
     def __init__(self, format_penalty: float = -1.0, seed: int | None = None) -> None:
@@ -147,6 +149,7 @@ class BlackJackEnv(Environment[TextAction, BlackJackObservation, BlackJackState]
         self._hand: Hand | None = None
         self._episode: tuple[str | None, int | None] = (None, None)  # episode_id, hand seed
         self._steps = 0
+        self._strategy_errors = 0  # this hand's parsed decisions other than basic strategy's
         self._counters = dict.fromkeys(COUNTERS, 0)
 
     def reset(
@@ -164,6 +167,7 @@ class BlackJackEnv(Environment[TextAction, BlackJackObservation, BlackJackState]
             seed = self._seeds.getrandbits(63)
         self._hand = Hand(Shoe(seed=seed) if cards is None else Shoe(cards=cards))
         self._episode, self._steps = (episode_id, seed if cards is None else None), 0
+        self._strategy_errors = 0
         self._counters["hands"] += 1
         return self._observe(self._hand)
 
@@ -172,6 +176,8 @@ class BlackJackEnv(Environment[TextAction, BlackJackObservation, BlackJackState]
         if hand is None or hand.outcome is not None:
             raise RuntimeError("BlackJackEnv.step called before reset() or after the hand ended")
         move = parse_action(action.text)
+        if move is not None and move != basic_strategy(hand.total, hand.soft, hand.dealer_value):
+            self._strategy_errors += 1
         if move is None:
             hand.forfeit(self.format_penalty)
         elif move == "hit":
@@ -223,7 +229,10 @@ class BlackJackEnv(Environment[TextAction, BlackJackObservation, BlackJackState]
                 outcome=hand.outcome,
                 done=True,
                 reward=hand.reward,
-                metadata={"format_error": int(hand.outcome == "format_error")},
+                metadata={
+                    "format_error": int(hand.outcome == "format_error"),
+                    "strategy_errors": self._strategy_errors,
+                },
             )
         return BlackJackObservation(**obs)
 

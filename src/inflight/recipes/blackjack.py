@@ -51,6 +51,13 @@ def preset() -> RunConfig:
 
 
 def summarize(cfg: RunConfig, initial: dict[str, float], final: dict[str, float]) -> dict[str, Any]:
-    """Basic strategy's mean return on the evaluated hands: the reference the policy is measured against."""
+    """Basic strategy's mean return on the evaluated hands: the reference the policy is measured against;
+    and the greedy policy's decisions other than basic strategy's per hand, before and after RL."""
     hands = env_test_seeds(cfg.eval.num_episodes)
-    return {"return_basic_strategy": round(statistics.fmean(play_hands(basic_strategy_policy, hands)), 4)}
+    out: dict[str, Any] = {
+        "return_basic_strategy": round(statistics.fmean(play_hands(basic_strategy_policy, hands)), 4)
+    }
+    for name, metrics in (("initial", initial), ("final", final)):
+        if "strategy_errors_greedy" in metrics:
+            out[f"strategy_errors_{name}"] = round(metrics["strategy_errors_greedy"], 4)
+    return out
