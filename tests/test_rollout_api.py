@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -142,6 +143,48 @@ def test_engine_loop_swaps_weights_in_flight(model_and_chat) -> None:
         loop.stop()
     with pytest.raises(EngineLoopError, match="stopped"):
         loop.submit(SampleRequest([1, 2], SamplingParams(max_tokens=2)))
+
+
+def test_engine_loop_settles_each_event_loops_callers_and_outlives_a_closed_one(model_and_chat) -> None:
+    """asyncio callers are settled on their own event loop, a step's completions in one hand-over: two
+    loops in two threads each get exactly their requests' completions, and a caller whose loop closed
+    before its request finished (it timed out) leaves the step thread serving."""
+    model, _ = model_and_chat
+    loop = EngineLoop(BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=8))).start()
+    try:
+        slow = SampleRequest([1, 5, 6], SamplingParams(max_tokens=200, temperature=1.0, seed=3))
+        with pytest.raises(TimeoutError):
+            asyncio.run(loop.generate(slow, timeout_s=0.001))
+        results: dict[str, list[tuple[str, str, int]]] = {}
+
+        def caller(name: str, seed0: int) -> None:
+            async def many() -> list[tuple[str, str, int]]:
+                requests = [
+                    SampleRequest([1, 5 + i], SamplingParams(max_tokens=8, temperature=1.0, seed=seed0 + i))
+                    for i in range(6)
+                ]
+                done = await asyncio.gather(*(loop.generate(r, 60.0) for r in requests))
+                return [
+                    (r.request_id, c.request_id, len(c.token_ids))
+                    for r, c in zip(requests, done, strict=True)
+                ]
+
+            results[name] = asyncio.run(many())
+
+        threads = [threading.Thread(target=caller, args=args) for args in (("a", 0), ("b", 100))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert sorted(results) == ["a", "b"]
+        for name in "ab":
+            assert len(results[name]) == 6
+            assert all(sent == got and tokens >= 1 for sent, got, tokens in results[name]), results[name]
+        assert loop.running and loop.error is None
+        after = asyncio.run(loop.generate(SampleRequest([1, 2], SamplingParams(max_tokens=2)), 60.0))
+        assert after.finish_reason in ("length", "stop")
+    finally:
+        loop.stop()
 
 
 def test_engine_loop_times_out_with_a_message(model_and_chat) -> None:
