@@ -7,10 +7,10 @@ all the time (clients disconnect, rollouts time out, fail over): a future its ca
 simply dropped, and a failed step is kept as `error` for /health to report.
 
 An asyncio caller (`generate`) waits on a future of its own event loop, and the step thread hands a
-step's completions to each loop in one `call_soon_threadsafe`: a thread future bridged by
-`asyncio.wrap_future` cost one wake-up of the loop per completion, ~86-100 us of CPU a request against
-~23-25 us (`/tmp/settle.py`: 20,000 requests finished 64 a step), on the core where the rollouts' Python
-and the engine's step share the GIL (docs/benchmarks.md, "Issue 16, fifth session").
+step's completions to each loop in one `call_soon_threadsafe`. A thread future bridged by
+`asyncio.wrap_future` cost one wake-up of the loop per completion: 129-148 us of CPU a request against
+62-67 us this way, on the core where the rollouts' Python and the engine's step share the GIL
+(docs/benchmarks.md, "Issue 16, fifth session").
 """
 
 from __future__ import annotations
