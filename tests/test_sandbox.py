@@ -244,6 +244,15 @@ def test_classify_reads_the_reason_from_exit_code_and_traceback(
     assert classify(exit_code, stderr) == reason
 
 
+def test_classify_reads_interleaved_tracebacks_of_forked_children() -> None:
+    # A fork bomb's children share its stderr: the text may end inside another child's traceback.
+    refused = "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    header, frame = "Traceback (most recent call last):", '  File "<string>", line 3, in <module>'
+    stderr = "\n".join([header, header, frame, refused, header, frame, refused, header, frame]) + "\n"
+    assert classify(1, stderr) == "processes"
+    assert classify(1, f"{header}\n{frame}\n") == "error"  # no exception line at all
+
+
 def test_a_kill_by_the_runner_outranks_the_traceback() -> None:
     assert classify(1, "MemoryError\n", killed_for="output_limit") == "output_limit"
 

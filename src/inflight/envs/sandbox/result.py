@@ -76,6 +76,18 @@ class SandboxResult(BaseModel):
         return self.stdout + self.stderr
 
 
+def _last_exception_line(stderr: str) -> str | None:
+    """The last traceback's `Name: message` line: the last line that is neither indented nor a header.
+
+    Not simply the last line: the forked children of a job share its stderr, and their tracebacks
+    interleave (a fork bomb's stderr may end on another child's `  File "<string>", line 3`).
+    """
+    for line in reversed(stderr.splitlines()):
+        if line.strip() and not line[0].isspace() and line != "Traceback (most recent call last):":
+            return line.strip()
+    return None
+
+
 def classify(
     exit_code: int,
     stderr: str,
@@ -84,7 +96,7 @@ def classify(
     oom_killed: bool = False,
     cpu_limit_reached: bool = False,
 ) -> Reason | None:
-    """Why an execution failed (None if it did not), from its exit code and the last line of stderr.
+    """Why an execution failed (None if it did not), from its exit code and the traceback on stderr.
 
     `killed_for` is the reason the runner itself killed the process tree, which always wins; then
     `oom_killed` (the kernel killed one of the job's processes at its memory limit, whatever the exit
@@ -103,8 +115,8 @@ def classify(
         if signo == signal.SIGXCPU or (signo == signal.SIGKILL and cpu_limit_reached):
             return "cpu"
         return "disk_limit" if signo == signal.SIGXFSZ else "killed"
-    lines = stderr.rstrip().splitlines()
-    match = _EXCEPTION.match(lines[-1].strip()) if lines else None
+    line = _last_exception_line(stderr)
+    match = _EXCEPTION.match(line) if line is not None else None
     if match is None:
         return "error"
     name, message = match.group(1), match.group(2) or ""
