@@ -187,6 +187,34 @@ def test_engine_loop_settles_each_event_loops_callers_and_outlives_a_closed_one(
         loop.stop()
 
 
+def test_a_cancelled_generate_stops_its_row_decoding(model_and_chat) -> None:
+    """A caller cancelled mid-decode (a rollout's timeout, a shutdown) aborts its request: the row stops
+    at the next step instead of decoding to max_tokens for nobody."""
+    model, _ = model_and_chat
+    loop = EngineLoop(BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=2))).start()
+    try:
+        request = SampleRequest([1, 5, 6], SamplingParams(max_tokens=300, temperature=1.0, seed=1))
+
+        async def cancel_mid_decode() -> int:
+            task = asyncio.ensure_future(loop.generate(request, 60.0))
+            while loop.steps < 3:  # decoding
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return loop.steps
+
+        steps_at_cancel = asyncio.run(cancel_mid_decode())
+        deadline = time.monotonic() + 30
+        while loop.engine.has_unfinished():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert loop.steps <= steps_at_cancel + 2, (steps_at_cancel, loop.steps)  # not 300 tokens' worth
+        assert loop.running and loop.error is None
+    finally:
+        loop.stop()
+
+
 def test_engine_loop_times_out_with_a_message(model_and_chat) -> None:
     model, _ = model_and_chat
     loop = EngineLoop(BuiltinEngine(model, config=BuiltinEngineConfig(max_batch_size=2)))  # never started

@@ -97,18 +97,23 @@ class EngineLoop:
         return future
 
     async def generate(self, request: SampleRequest, timeout_s: float) -> Completion:
-        """Await one completion from an asyncio loop (which never blocks); aborted on timeout."""
+        """Await one completion from an asyncio loop (which never blocks). Aborted in the engine on timeout
+        and when the caller is cancelled (a rollout's own timeout, a run shutting down): its row stops
+        decoding at the next step instead of running on to max_tokens for nobody."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Completion] = loop.create_future()
         self._add(request, _AsyncWaiter(loop, future))
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
-            self.engine.abort(request.request_id)
+            self.abort(request.request_id)
             raise TimeoutError(
                 f"engine request {request.request_id} ({len(request.prompt_token_ids)} prompt tokens, "
                 f"max_tokens={request.params.max_tokens}) did not finish within {timeout_s} s"
             ) from None
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
 
     def update_weights(self, update: WeightUpdate) -> None:
         """Copy the weights now (caller's thread); the loop installs them between two decode steps."""
