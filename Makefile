@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint typecheck unit sysdeps bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -26,7 +26,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+# redis-server, PostgreSQL and bubblewrap, which the tests start themselves: installed where this can (root
+# with apt-get), else one line naming what to install.
+sysdeps:
+	bash scripts/sysdeps.sh
+
+unit: $(STAMP) sysdeps
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
