@@ -65,10 +65,29 @@ def ray_cluster() -> Iterator[Any]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str, exit_code: int = 0) -> dict[str, Any]:
     capsys.readouterr()
-    assert main(list(argv)) == 0
+    assert main(list(argv)) == exit_code
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def stop_the_run_once(run_dir: Path, seen: Callable[[list[dict[str, Any]]], bool]) -> threading.Thread:
+    """A started thread that sends this process SIGINT (Ctrl-C: the launcher forwards it to the run's actor,
+    which stops after its step in flight) once `seen(train rows)` holds: a run sized to outlast a
+    restart on a slow machine ends as soon as the test has seen what it is for."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
+                if seen(metrics_rows(run_dir, "train")):
+                    os.kill(os.getpid(), signal.SIGINT)
+                    return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 def metrics_rows(run_dir: Path, phase: str) -> list[dict[str, Any]]:
@@ -183,6 +202,11 @@ def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
 
     killer = threading.Thread(target=kill_replica_0_after_the_first_step, daemon=True)
     killer.start()
+
+    def recovered_and_trained_on(train: list[dict[str, Any]]) -> bool:  # 10 steps after the recovery
+        return any(r["replicas/recoveries"] >= 1 for r in train[:-10])
+
+    stopper = stop_the_run_once(run_dir, recovered_and_trained_on)
     summary = run_cli(
         capsys,
         "run",
@@ -193,13 +217,18 @@ def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
         "ray.engine_cpus=0.5",
         "--run-dir",
         str(run_dir),
+        exit_code=128 + signal.SIGINT,
     )
     run_over.set()
     killer.join(30)
+    stopper.join(5)
     assert killed, "the replica was never killed"
 
-    assert summary["steps"] == steps
+    assert summary["stopped"] == "SIGINT" and summary["steps"] < steps, summary  # Ctrl-C reached the actor
+    steps = summary["steps"]
     train = metrics_rows(run_dir, "train")
+    assert len(train) == steps
+    assert checkpoint_step(run_dir / "checkpoint") == steps  # the stop's checkpoint, a resume's start
     last = train[-1]
     # Calls in flight on the dead replica failed over to the other one; it was marked down, and back up.
     assert last["replicas/replica_failures"] >= 1, last
@@ -322,16 +351,24 @@ def test_rollout_workers_play_the_groups_and_a_killed_worker_is_restarted_its_gr
     killer, killed = sigkill_after_the_first_step(
         ray_cluster, run_dir, "rollouts-0", lambda worker: worker.pid.remote(), lambda pid: pid
     )
+
+    def restarted_and_played_on(train: list[dict[str, Any]]) -> bool:  # 10 steps after the restart
+        return any(r["rollout_workers/restarts"] >= 1 for r in train[:-10])
+
+    stopper = stop_the_run_once(run_dir, restarted_and_played_on)
     summary = run_cli(
         capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray",
         "ray.num_rollout_workers=2", "ray.rollout_worker_cpus=0.25", "ray.engine_cpus=0.5",
-        "--run-dir", str(run_dir),
+        "--run-dir", str(run_dir), exit_code=128 + signal.SIGINT,
     )  # fmt: skip
     killer.join(30)
+    stopper.join(5)
     assert killed, "the worker was never killed"
 
-    assert summary["steps"] == steps
+    assert summary["stopped"] == "SIGINT" and summary["steps"] < steps, summary
+    steps = summary["steps"]
     train = metrics_rows(run_dir, "train")
+    assert len(train) == steps
     last = train[-1]
     assert last["rollout_workers/lost"] >= 1, last  # it was playing groups when it died
     assert last["rollout_workers/restarts"] == 1, last  # Ray restarted it, and it played again

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import get_args
@@ -45,15 +46,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from inflight.preflight import check_run
 
     check_run(cfg, task.name, task.env)
-    if cfg.launcher == "ray":  # the same run, its engine replicas and trainer placed on a Ray cluster
-        from inflight.launch.ray import run_on_ray
+    from inflight.orchestrator.stopping import StopRequest, stop_on_signals
 
-        print(json.dumps(run_on_ray(cfg, args.target)))
-        return 0
-    from inflight.launch.local import run_local
+    # Ctrl-C or SIGTERM: the step in flight finishes, then the checkpoint and the summary (exit 130 / 143).
+    with stop_on_signals(StopRequest()) as stop:
+        if cfg.launcher == "ray":  # the same run, its engine replicas and trainer placed on a Ray cluster
+            from inflight.launch.ray import run_on_ray
 
-    print(json.dumps(run_local(cfg, task)))
-    return 0
+            summary = run_on_ray(cfg, args.target, stop)
+        else:
+            from inflight.launch.local import run_local
+
+            summary = run_local(cfg, task, stop)
+    print(json.dumps(summary))
+    return 0 if stop.reason is None else 128 + signal.Signals[stop.reason].value
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -169,8 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ray.num_engine_replicas; needs `pip install 'inflight[ray]'`). "
         "engine.backend=vllm samples from vLLM (its CPU build, in an environment built on first use) in a "
         "process beside the run, or in each replica's actor with launcher=ray. "
-        "A run directory with a checkpoint is resumed. Prints one JSON summary line at the end. Writing a "
-        "task: docs/bring-your-own-task.md.",
+        "A run directory with a checkpoint is resumed. Ctrl-C or SIGTERM stops it after the step in "
+        "flight, with a checkpoint, the final evaluation and the summary (exit code 130 / 143; a second "
+        "signal quits at once). Prints one JSON summary line at the end. Writing a task: "
+        "docs/bring-your-own-task.md.",
     )
     run.add_argument(
         "target",

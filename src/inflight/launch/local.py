@@ -15,15 +15,17 @@ from typing import TYPE_CHECKING, Any
 from inflight.config import RunConfig
 
 if TYPE_CHECKING:
+    from inflight.orchestrator.stopping import StopRequest
     from inflight.orchestrator.task import Task
 
 
-def run_local(cfg: RunConfig, task: Task) -> dict[str, Any]:
-    """`orchestrator.run.run(cfg, task)`, with the vLLM engine process when cfg.engine.backend is vllm."""
+def run_local(cfg: RunConfig, task: Task, stop: StopRequest | None = None) -> dict[str, Any]:
+    """`orchestrator.run.run(cfg, task)`, with the vLLM engine process when cfg.engine.backend is vllm;
+    `stop` ends its training early (a signal)."""
     from inflight.orchestrator.run import run
 
     if cfg.engine.backend != "vllm":
-        return run(cfg, task)
+        return run(cfg, task, stop=stop)
     assert not cfg.pipeline.engine_urls, "preflight.check_run refuses engine_urls with engine.backend=vllm"
     from inflight.launch.engine_process import EngineProcess, check_vllm_model_dir
     from inflight.orchestrator.setup import resolve_model, run_dir_path
@@ -51,4 +53,4 @@ def run_local(cfg: RunConfig, task: Task) -> dict[str, Any]:
             up = float(engine.alive())
             return {"engine_replica_restarts": float(engine.restarts), "engine_replicas_up": up}
 
-        return run(placed, task, launcher_metrics=restarts)
+        return run(placed, task, launcher_metrics=restarts, stop=stop)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from inflight.inference.backends import VllmOptions
     from inflight.inference.builtin import BuiltinEngineConfig
     from inflight.orchestrator.rollout_group import PlayedGroup
+    from inflight.orchestrator.stopping import StopRequest
     from inflight.orchestrator.task import Problem
     from inflight.types import AdapterUpdate
 
@@ -41,12 +42,15 @@ COLLECTIVE_FAILURE_WAIT_S = 30.0  # after a collective broke here, how long the 
 WATCH_INTERVAL_S = 1.0  # how often the trainer's actor asks each replica which process serves it
 VERIFIER_TASK_RETRIES = 2  # how often Ray runs a job again on a verifier actor it restarted
 PLAY_ATTEMPTS = 4  # rollout workers one group may be sent to (a lost play is played again elsewhere)
+STOP_POLL_S = 0.5  # how often the launcher forwards, and the run's actor reads, a stop (a signal)
+STOP_NAMESPACE = "inflight"
 PLAY_GRACE_S = 60.0  # a group's play is bounded by rollout.timeout_s (its rollouts run at once) plus this
 
 
-def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
+def run_on_ray(cfg: RunConfig, target: str, stop: StopRequest | None = None) -> dict[str, Any]:
     """Train `target` as `cfg` says, on the cluster `cfg.ray` names; returns the summary (also in
-    RUN_DIR/summary.json), with the same keys as a local run's."""
+    RUN_DIR/summary.json), with the same keys as a local run's. `stop`, once set here (a signal), is
+    forwarded to the run's actor, whose training then ends after the step in flight."""
     if cfg.pipeline.engine_urls:
         raise UserError(
             "launcher=ray starts its own engine replicas (ray.num_engine_replicas): "
@@ -65,7 +69,7 @@ def run_on_ray(cfg: RunConfig, target: str) -> dict[str, Any]:
             check_vllm_model_dir(cfg.model.path)
         placement = place(ray, cfg, _portable(target))
         try:
-            return placement.run()
+            return placement.run(stop)
         finally:
             placement.release()
 
@@ -92,14 +96,21 @@ class Placement:
     verifiers: list[Any]  # ray.num_verifier_actors VerifierActor actors
     workers: list[Any]  # ray.num_rollout_workers RolloutWorker actors
 
-    def run(self) -> dict[str, Any]:
+    def run(self, stop: StopRequest | None = None) -> dict[str, Any]:
+        """The run's summary; waits in slices, so that this (main) thread's signal handlers run and a stop
+        they ask for reaches the actor (through Ray's key-value store, read by its `StopWatch`)."""
         exceptions = self.ray.exceptions
+        key = _stop_key(self.cfg)
+        done = self.driver.run.remote(
+            self.cfg, self.target, self.replicas, self.infos, self.ranks, self.verifiers, self.workers, key
+        )
+        forwarded = False
         try:
-            return self.ray.get(
-                self.driver.run.remote(
-                    self.cfg, self.target, self.replicas, self.infos, self.ranks, self.verifiers, self.workers
-                )
-            )
+            while not self.ray.wait([done], timeout=STOP_POLL_S)[0]:
+                if stop is not None and stop.reason is not None and not forwarded:
+                    _kv()._internal_kv_put(key, stop.reason, namespace=STOP_NAMESPACE)
+                    forwarded = True
+            return self.ray.get(done)
         except exceptions.RayTaskError as e:
             if isinstance(e.cause, UserError):  # bad input found inside the actor: still one line
                 raise UserError(str(e.cause)) from None
@@ -112,6 +123,7 @@ class Placement:
 
     def release(self) -> None:
         """The run's actors and its reservation go; the cluster stays (unless this launcher started it)."""
+        _kv()._internal_kv_del(_stop_key(self.cfg), namespace=STOP_NAMESPACE)
         for actor in [self.driver, *self.workers, *self.ranks, *self.replicas, *self.verifiers]:
             if actor is not None:
                 self.ray.kill(actor, no_restart=True)
@@ -454,7 +466,9 @@ class EngineReplica:
 
 
 class RunDriver:
-    """The run itself, on the trainer's bundle: `orchestrator.run.run` with the replicas as its engine."""
+    """The run itself, on the trainer's bundle: `orchestrator.run.run` with the replicas as its engine.
+    A plain (single-threaded) actor, so the run has the main thread as it has locally; a stop asked of the
+    launcher arrives through Ray's key-value store under `stop_key` (`StopWatch`)."""
 
     def run(
         self,
@@ -465,6 +479,7 @@ class RunDriver:
         ranks: list[Any],
         verifiers: list[Any],
         workers: list[Any],
+        stop_key: str,
     ) -> dict[str, Any]:
         from inflight.envs.sandbox import set_default_pool
         from inflight.orchestrator.run import run
@@ -480,7 +495,7 @@ class RunDriver:
         # Every environment's sandboxes (default_pool) go to the verifier actors, for this run only.
         previous = set_default_pool(remote) if remote is not None else None
         try:
-            with ReplicaWatch(replicas, infos) as watch:
+            with ReplicaWatch(replicas, infos) as watch, StopWatch(stop_key) as stop:
 
                 def metrics() -> dict[str, float]:
                     return watch.metrics() | ({} if remote is None else remote.metrics())
@@ -491,6 +506,7 @@ class RunDriver:
                     launcher_metrics=metrics,
                     make_trainer=ranked if ranks else None,
                     players=RayRolloutWorkers(workers, cfg.rollout.timeout_s) if workers else None,
+                    stop=stop,
                 )
         finally:
             if remote is not None:
@@ -647,6 +663,47 @@ class RankedTrainer:
                 f"a data-parallel trainer rank died ({describe(e)}); the run stopped. Run the same command "
                 f"with run_dir={self._run_dir} to resume from its last checkpoint (checkpoint_every_steps)"
             ) from None
+
+
+def _kv() -> Any:
+    """Ray's cluster-wide key-value store (the GCS's), as Ray's own libraries use it: the one channel from
+    the launcher to a running plain (single-threaded) actor that needs no actor, thread or file of its own."""
+    from ray.experimental import internal_kv
+
+    return internal_kv
+
+
+def _stop_key(cfg: RunConfig) -> str:
+    return f"stop:{cfg.run_dir}"
+
+
+class StopWatch:
+    """In the run's actor: a thread that reads the launcher's stop request (`_stop_key`) every
+    STOP_POLL_S and sets the run's StopRequest with it."""
+
+    def __init__(self, key: str) -> None:
+        from inflight.orchestrator.stopping import StopRequest
+
+        self.key, self.stop = key, StopRequest()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="inflight-stop-watch", daemon=True)
+
+    def __enter__(self) -> StopRequest:
+        self._thread.start()
+        return self.stop
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+    def _loop(self) -> None:
+        kv = _kv()
+        while not self._done.wait(STOP_POLL_S):
+            with contextlib.suppress(Exception):  # the GCS briefly away: ask again next time
+                reason = kv._internal_kv_get(self.key, namespace=STOP_NAMESPACE)
+                if reason is not None:
+                    self.stop.set(reason.decode())
+                    return
 
 
 class ReplicaWatch:

@@ -324,6 +324,8 @@ class _Pipeline:
                     self.checkpoint(step + 1)
                 if evaluate and cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
                     self.logger.log(step + 1, evaluate(), phase="eval")
+                if self.parts.stop is not None and self.parts.stop.is_set():
+                    return  # asked to stop (a signal): the shutdown below checkpoints this step
 
     # -- wiring ---------------------------------------------------------------------------------------
     def run(self, evaluate: Callable[[Driver], dict[str, float]] | None) -> list[dict[str, float]]:

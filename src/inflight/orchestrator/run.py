@@ -37,6 +37,7 @@ from inflight.orchestrator.setup import (
     pad_id,
     run_dir_path,
 )
+from inflight.orchestrator.stopping import StopRequest
 from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.sync_loop import train as train_sync
 from inflight.orchestrator.task import Task, load_split
@@ -76,6 +77,7 @@ def run(
     launcher_metrics: Callable[[], dict[str, float]] | None = None,
     make_trainer: Callable[[RunConfig, torch.nn.Module, object], StepTrainer] | None = None,
     players: GroupPlayer | None = None,
+    stop: StopRequest | None = None,
 ) -> dict[str, Any]:
     """Train `task` as `cfg` says; returns the summary (also in RUN_DIR/summary.json).
 
@@ -84,7 +86,8 @@ def run(
     (logged with every pipeline step) and `make_trainer` building the trainer over the warmed-up model
     (there: data-parallel ranks in actors of their own; by default `build_loop_trainer`) and `players`
     playing the pipeline's groups (there: rollout workers in actors of their own; by default the
-    pipeline's event loop)."""
+    pipeline's event loop). `stop`, once set (a signal: `stopping.py`), ends the training after the step
+    in flight; the run then checkpoints, evaluates and summarizes as usual, `stopped` naming the signal."""
     t0 = time.perf_counter()
     train_problems = load_split(task, "train")
     test_problems = load_split(task, "test") if cfg.eval.num_episodes else []
@@ -114,7 +117,7 @@ def run(
             trainer = (make_trainer or build_loop_trainer)(cfg, model, tokenizer)
             if isinstance(trainer, TrainerProcess):
                 stack.callback(trainer.close)
-            parts = LoopParts(policy_engine(engine, trainer), trainer, chat, task, train_problems)
+            parts = LoopParts(policy_engine(engine, trainer), trainer, chat, task, train_problems, stop)
 
             def test(driver: Driver, num_problems: int) -> dict[str, float]:
                 return evaluate(task, test_problems, cfg, chat, driver, num_problems)
@@ -128,16 +131,18 @@ def run(
             evaluate_during = during if test_problems else None
             history = train(parts, cfg, logger, run_dir, evaluate_during, launcher_metrics, players)
             last_step = first_step + len(history)
+            # Before the final evaluation, so that a second Ctrl-C during it keeps this step for a resume.
+            if cfg.mode == "sync":  # the pipeline writes its own (with stream offsets and buffered groups)
+                trainer.save_checkpoint(run_dir / "checkpoint", extra={"step": last_step})
             # The trained weights, whichever engine (or inference replica) generated with them.
             publish(parts.engine, trainer)
             final = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
             if final:
                 logger.log(last_step, _test_metrics(final), phase="eval")
-            if cfg.mode == "sync":  # the pipeline writes its own (with stream offsets and buffered groups)
-                trainer.save_checkpoint(run_dir / "checkpoint", extra={"step": last_step})
 
+            stopped = stop.reason if stop is not None else None
             summary = build_summary(
-                cfg, task, run_dir, t0, first_step, history, len(test_problems), initial, final
+                cfg, task, run_dir, t0, first_step, history, len(test_problems), initial, final, stopped
             )
             logger.log(last_step, summary, phase="summary")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -212,12 +217,14 @@ def build_summary(
     test_problems: int,
     initial: dict[str, float],
     final: dict[str, float],
+    stopped: str | None = None,
 ) -> dict[str, Any]:
     """The keys every task reports, in this order: recipe, mode, steps (the whole run's, those before a
     resume included), wall_s, eval_problems and eval_problems_sampled (how many test problems the greedy
     and the sampled evaluation played), return_initial/final (greedy decoding on the test problems),
     return_initial/final_sampled (the sampling policy), the task's `summarize()` keys, return_first10/last10
-    (mean training reward of the first and last tenth of the steps this process ran), run_dir."""
+    (mean training reward of the first and last tenth of the steps this process ran), stopped (the signal
+    that ended the training before cfg.grpo.steps, else None), run_dir."""
     rewards = [h["reward_mean"] for h in history]
     evaluated, sampled_cap = min(cfg.eval.num_episodes, test_problems), cfg.eval.num_episodes_sampled
     tenth = max(1, len(rewards) // 10)
@@ -236,6 +243,7 @@ def build_summary(
         **extra,
         "return_first10": round(statistics.fmean(rewards[:tenth]), 4) if rewards else None,
         "return_last10": round(statistics.fmean(rewards[-tenth:]), 4) if rewards else None,
+        "stopped": stopped,
         "run_dir": str(run_dir),
     }
 

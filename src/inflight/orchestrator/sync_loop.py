@@ -37,6 +37,7 @@ from inflight.orchestrator.drivers import Driver, InlineDriver
 from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.publish import publish
 from inflight.orchestrator.rollout_group import play_group
+from inflight.orchestrator.stopping import StopRequest
 from inflight.orchestrator.task import Problems, Task, train_problem
 from inflight.rollouts.api import GenerateFn
 from inflight.rollouts.chat import ChatFormat
@@ -53,6 +54,8 @@ class LoopParts:
     chat: ChatFormat
     task: Task
     problems: Problems  # the task's "train" split; problem k of the run is `train_problem(problems, k)`
+    # Set from outside (Ctrl-C, SIGTERM: `stopping.py`): the loop ends after the step in flight.
+    stop: StopRequest | None = None
 
 
 async def sample_groups(
@@ -165,4 +168,6 @@ def train(
                 logger.log(step + 1, evaluate(driver), phase="eval")
             if cfg.checkpoint_every_steps and (step + 1) % cfg.checkpoint_every_steps == 0:
                 trainer.save_checkpoint(f"{run_dir}/checkpoint", extra={"step": step + 1})
+            if parts.stop is not None and parts.stop.is_set():
+                break  # the run then checkpoints this step and writes its summary
     return history
