@@ -88,3 +88,28 @@ def test_serve_passes_its_options_to_the_service(monkeypatch: pytest.MonkeyPatch
     assert seen["base_models"] == {"tiny": "/models/tiny"}
     assert main(["serve", "--base-model", "tiny=/models/tiny"]) == 0
     assert seen["dtype"] == "auto"
+
+
+def test_what_answers_a_typo_imports_no_torch() -> None:
+    """The run's config, the target lookup and the service's listening checks stay light, so a mistake on
+    the command line is answered at once (it took 7.5 s, importing torch and transformers through the
+    config's settings); the packages' heavy exports load on first use."""
+    code = (
+        "import sys, inflight.config, inflight.orchestrator.target, inflight.api.auth, inflight.preflight\n"
+        "import inflight.models, inflight.trainer, inflight.losses, inflight.inference\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_lazy_exports_load_on_use_and_unknown_names_are_attribute_errors() -> None:
+    import inflight.losses
+    import inflight.models
+    from inflight.models.loader import load_model
+
+    assert inflight.models.load_model is load_model
+    for name in inflight.losses.__all__:
+        assert getattr(inflight.losses, name) is not None, name
+    with pytest.raises(AttributeError, match="has no attribute 'load_modle'"):
+        _ = inflight.models.load_modle  # type: ignore[attr-defined]

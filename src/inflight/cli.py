@@ -93,6 +93,12 @@ def _parse_base_models(items: list[str]) -> dict[str, str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from inflight.api.auth import check_listening
+    from inflight.preflight import check_port
+
+    # Before the service's imports (torch, via the tinker SDK: seconds): these refusals are instant.
+    check_listening(args.host, args.api_key)
+    check_port(args.port)
     from inflight.api.app import serve
 
     serve(

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inflight.errors import UserError
-from inflight.inference.builtin import BuiltinEngineConfig
+from inflight.inference.config import BuiltinEngineConfig
 from inflight.metrics.config import MetricsConfig
 from inflight.trainer.config import TrainerConfig
 

@@ -37,14 +37,19 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def check_port(port: int) -> None:
+    """A port a socket can bind (0: any free one)."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is out of range: use 1-65535")
+
+
 def bind_port(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port) and listening; serve on it with `serve_on`.
 
     It listens at once: on Linux, SO_REUSEADDR lets a second socket bind the same port until one listens.
     Connections made while the weights load wait in the backlog rather than being refused.
     """
-    if not 0 <= port <= 65535:
-        raise UserError(f"--port {port} is out of range: use 1-65535")
+    check_port(port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # The protocol must be named: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of

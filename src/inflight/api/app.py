@@ -37,7 +37,7 @@ from inflight.api import (
 )
 from inflight.api.access_log import REQUEST_LOGGER, AccessLogMiddleware
 from inflight.api.archives import ArchiveLinkError, ArchiveSigner
-from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_api_keys, is_loopback
+from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_listening
 from inflight.api.checkpoints import CheckpointExpiredError, CheckpointNotFoundError, CheckpointStore
 from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
@@ -48,7 +48,7 @@ from inflight.api.shutdown import GracefulServer, RefuseNewWorkMiddleware, Servi
 from inflight.api.worker import EngineWorker, WorkerConfig
 from inflight.config import RayConfig
 from inflight.errors import UserError
-from inflight.preflight import bind_port, check_database, check_model_dir, ensure_dir, serve_on
+from inflight.preflight import bind_port, check_database, check_model_dir, check_port, ensure_dir, serve_on
 from inflight.types import DtypeName
 
 if TYPE_CHECKING:
@@ -305,12 +305,8 @@ def serve(
     SIGTERM/SIGINT drain the futures in flight for up to `shutdown_grace_s` (shutdown.py); each request is
     one JSON line on stdout (access_log.py), in place of uvicorn's access log.
     """
-    api_keys = check_api_keys(api_keys)  # a blank key would read as none and open every route
-    if not api_keys and not is_loopback(host):
-        raise UserError(
-            f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "
-            "sample. Pass --api-key KEY (clients send it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
-        )
+    api_keys = check_listening(host, api_keys)
+    check_port(port)
     config = ServiceConfig(
         base_models=base_models,
         db_url=db_url,

@@ -47,6 +47,18 @@ def check_api_keys(api_keys: Sequence[str]) -> list[str]:
     return list(api_keys)
 
 
+def check_listening(host: str, api_keys: Sequence[str]) -> list[str]:
+    """The keys (`check_api_keys`), and a refusal to listen beyond loopback without one. Light (no torch):
+    the CLI calls it before it imports the service, so the refusal takes no time."""
+    api_keys = check_api_keys(api_keys)  # a blank key would read as none and open every route
+    if not api_keys and not is_loopback(host):
+        raise UserError(
+            f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "
+            "sample. Pass --api-key KEY (clients send it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
+        )
+    return api_keys
+
+
 class ApiKeyMiddleware:
     """401 unless `X-API-Key` is one of the configured keys (compared in constant time). With no keys
     configured every route is open (a loopback-only server; `serve` refuses a public bind then).

@@ -12,17 +12,17 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor
 
 from inflight.errors import UserError
 from inflight.inference.adapters import AdapterModules, ModuleShapes
+from inflight.inference.config import RunnerChoice
 
 log = logging.getLogger(__name__)
 
-RunnerChoice = Literal["auto", "fast", "hf"]
 W = TypeVar("W")  # a runner's weight snapshot
 A = TypeVar("A")  # a runner's copy of one LoRA adapter (immutable: replacing an adapter makes a new one)
 

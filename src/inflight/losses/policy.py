@@ -14,7 +14,8 @@ from torch import Tensor
 
 from inflight.losses.importance import masked_mean, off_policy_stats, to_floats
 from inflight.losses.kl import kl_k3
-from inflight.losses.offpolicy import OFFPOLICY_CONTROLS, OffPolicyKind, offpolicy_thresholds
+from inflight.losses.offpolicy import OFFPOLICY_CONTROLS
+from inflight.losses.offpolicy_settings import OffPolicyKind, offpolicy_thresholds
 
 # Per-loss defaults of Tinker's `loss_fn_config` ratio thresholds (reference/tinker-api.md §7.3).
 CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}

@@ -14,14 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Tinker does not send alpha; like Tinker and SkyRL the adapter output is scaled by alpha / rank with
-# alpha = 32, so rank 32 has scale 1 and doubling the rank halves the scale.
-LORA_ALPHA = 32.0
-
-# Module-name suffixes per Tinker LoRA group, as Llama/Qwen2/Qwen3 name their linear layers.
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_TARGETS = ("lm_head",)
+from inflight.models.lora_targets import ATTN_TARGETS, LORA_ALPHA, MLP_TARGETS, UNEMBED_TARGETS
 
 # module name -> (in_features, out_features)
 ModuleShapes = Mapping[str, tuple[int, int]]

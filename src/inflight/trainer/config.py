@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from inflight.losses.offpolicy import OffPolicyKind, offpolicy_thresholds
-from inflight.models.lora_adapter import ATTN_TARGETS, LORA_ALPHA, MLP_TARGETS, UNEMBED_TARGETS
+from inflight.losses.offpolicy_settings import OffPolicyKind, offpolicy_thresholds
+from inflight.models.lora_targets import ATTN_TARGETS, LORA_ALPHA, MLP_TARGETS, UNEMBED_TARGETS
 
 LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 Reduction = Literal["token_sum", "token_mean", "seq_mean", "constant"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.models.lora_adapter import LORA_ALPHA
+from inflight.models.lora_targets import LORA_ALPHA
 
 
 @dataclass
