@@ -71,16 +71,19 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str, exit_code: int = 0) 
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def stop_the_run_once(run_dir: Path, seen: Callable[[list[dict[str, Any]]], bool]) -> threading.Thread:
+def stop_the_run_once(
+    run_dir: Path, seen: Callable[[list[dict[str, Any]]], bool], run_over: threading.Event
+) -> threading.Thread:
     """A started thread that sends this process SIGINT (Ctrl-C: the launcher forwards it to the run's actor,
     which stops after its step in flight) once `seen(train rows)` holds: a run sized to outlast a
-    restart on a slow machine ends as soon as the test has seen what it is for."""
+    restart on a slow machine ends as soon as the test has seen what it is for. Never once `run_over` is
+    set (the test sets it when the command returns): a Ctrl-C outside the run would end the test session."""
 
     def watch() -> None:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not run_over.is_set():
             with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
-                if seen(metrics_rows(run_dir, "train")):
+                if seen(metrics_rows(run_dir, "train")) and not run_over.is_set():
                     os.kill(os.getpid(), signal.SIGINT)
                     return
             time.sleep(0.2)
@@ -206,20 +209,22 @@ def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
     def recovered_and_trained_on(train: list[dict[str, Any]]) -> bool:  # 10 steps after the recovery
         return any(r["replicas/recoveries"] >= 1 for r in train[:-10])
 
-    stopper = stop_the_run_once(run_dir, recovered_and_trained_on)
-    summary = run_cli(
-        capsys,
-        "run",
-        "blackjack",
-        *tiny_run(tiny_model_dir, steps),
-        "launcher=ray",
-        "ray.num_engine_replicas=2",
-        "ray.engine_cpus=0.5",
-        "--run-dir",
-        str(run_dir),
-        exit_code=128 + signal.SIGINT,
-    )
-    run_over.set()
+    stopper = stop_the_run_once(run_dir, recovered_and_trained_on, run_over)
+    try:
+        summary = run_cli(
+            capsys,
+            "run",
+            "blackjack",
+            *tiny_run(tiny_model_dir, steps),
+            "launcher=ray",
+            "ray.num_engine_replicas=2",
+            "ray.engine_cpus=0.5",
+            "--run-dir",
+            str(run_dir),
+            exit_code=128 + signal.SIGINT,
+        )
+    finally:
+        run_over.set()
     killer.join(30)
     stopper.join(5)
     assert killed, "the replica was never killed"
@@ -355,12 +360,16 @@ def test_rollout_workers_play_the_groups_and_a_killed_worker_is_restarted_its_gr
     def restarted_and_played_on(train: list[dict[str, Any]]) -> bool:  # 10 steps after the restart
         return any(r["rollout_workers/restarts"] >= 1 for r in train[:-10])
 
-    stopper = stop_the_run_once(run_dir, restarted_and_played_on)
-    summary = run_cli(
-        capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray",
-        "ray.num_rollout_workers=2", "ray.rollout_worker_cpus=0.25", "ray.engine_cpus=0.5",
-        "--run-dir", str(run_dir), exit_code=128 + signal.SIGINT,
-    )  # fmt: skip
+    run_over = threading.Event()
+    stopper = stop_the_run_once(run_dir, restarted_and_played_on, run_over)
+    try:
+        summary = run_cli(
+            capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray",
+            "ray.num_rollout_workers=2", "ray.rollout_worker_cpus=0.25", "ray.engine_cpus=0.5",
+            "--run-dir", str(run_dir), exit_code=128 + signal.SIGINT,
+        )  # fmt: skip
+    finally:
+        run_over.set()
     killer.join(30)
     stopper.join(5)
     assert killed, "the worker was never killed"

@@ -47,18 +47,19 @@ def test_off_the_main_thread_nothing_is_installed() -> None:
     assert len(seen) == 1 and signal.getsignal(signal.SIGINT) is before
 
 
-def signal_after_steps(run_dir: Path, steps: int, signum: int) -> threading.Thread:
-    """A started thread that sends this process `signum` once the run has logged `steps` train steps."""
+def signal_after_steps(run_dir: Path, steps: int, signum: int, run_over: threading.Event) -> threading.Thread:
+    """A started thread that sends this process `signum` once the run has logged `steps` train steps, and
+    never once `run_over` is set (outside the run, the signal would end the test session)."""
 
     def send() -> None:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, json.JSONDecodeError):
+        while time.monotonic() < deadline and not run_over.is_set():
+            with contextlib.suppress(OSError):
                 rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-                if sum('"phase": "train"' in row for row in rows) >= steps:
-                    break
+                if sum('"phase": "train"' in row for row in rows) >= steps and not run_over.is_set():
+                    os.kill(os.getpid(), signum)
+                    return
             time.sleep(0.05)
-        os.kill(os.getpid(), signum)
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
@@ -82,8 +83,12 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint_it_resumes_from
     signum: signal.Signals,
 ) -> None:
     run_dir = tmp_path / "run"
-    sender = signal_after_steps(run_dir, 3, signum)
-    assert main(argv(tiny_model_dir, run_dir, mode, STEPS)) == 128 + signum
+    run_over = threading.Event()
+    sender = signal_after_steps(run_dir, 3, signum, run_over)
+    try:
+        assert main(argv(tiny_model_dir, run_dir, mode, STEPS)) == 128 + signum
+    finally:
+        run_over.set()
     sender.join(5)
     out, err = capsys.readouterr()
     assert f"inflight: {signum.name}: stopping after the step in flight" in err
