@@ -15,7 +15,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 # CPUs: it "throttles" every wait to 100 spins (its default policy) before sleeping, so each small parallel
 # op pays a futex wake-up (a 8x8x128 by 8x128x64 bmm: 10-12 us with one team, 25-30 us with two).
 # OMP_WAIT_POLICY=ACTIVE raises that throttled spin to 1,000 and, GOMP_SPINCOUNT being set, leaves the
-# ordinary spin at 3,000 (11-14 us with two teams; the service's sampling +32%, docs/benchmarks.md).
+# ordinary spin at 3,000 (11-14 us with two teams; the service's sampling ~+21%, docs/benchmarks.md).
 # Without a GOMP_SPINCOUNT, ACTIVE would spin for minutes: set only beside one.
 if os.environ.get("GOMP_SPINCOUNT") and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE"

@@ -59,7 +59,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
             summary = run_local(cfg, task, stop)
     print(json.dumps(summary))
-    return 0 if stop.reason is None else 128 + signal.Signals[stop.reason].value
+    stopped = summary.get("stopped")  # the signal that ended the training early, if one did
+    return 0 if stopped is None else 128 + signal.Signals[stopped].value
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:

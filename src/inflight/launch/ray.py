@@ -123,10 +123,10 @@ class Placement:
 
     def release(self) -> None:
         """The run's actors and its reservation go; the cluster stays (unless this launcher started it)."""
-        _kv()._internal_kv_del(_stop_key(self.cfg), namespace=STOP_NAMESPACE)
         for actor in [self.driver, *self.workers, *self.ranks, *self.replicas, *self.verifiers]:
             if actor is not None:
                 self.ray.kill(actor, no_restart=True)
+        _kv()._internal_kv_del(_stop_key(self.cfg), namespace=STOP_NAMESPACE)
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)

@@ -140,7 +140,8 @@ def run(
             if final:
                 logger.log(last_step, _test_metrics(final), phase="eval")
 
-            stopped = stop.reason if stop is not None else None
+            # A signal that came after the last step (during the final evaluation) stopped nothing.
+            stopped = stop.reason if stop is not None and last_step < cfg.grpo.steps else None
             summary = build_summary(
                 cfg, task, run_dir, t0, first_step, history, len(test_problems), initial, final, stopped
             )
