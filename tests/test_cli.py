@@ -78,15 +78,16 @@ def test_model_tiny_command_writes_a_model(tmp_path: Path) -> None:
     assert (tmp_path / "m" / "tokenizer.json").is_file()
 
 
-def test_serve_passes_its_options_to_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_passes_its_options_to_the_service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import inflight.api.app
 
     seen: dict[str, object] = {}
     monkeypatch.setattr(inflight.api.app, "serve", lambda **kwargs: seen.update(kwargs))
-    assert main(["serve", "--base-model", "tiny=/models/tiny", "--dtype", "bfloat16", "--port", "9001"]) == 0
+    model = f"tiny={tmp_path}"  # a directory that exists: a missing one is refused before the service
+    assert main(["serve", "--base-model", model, "--dtype", "bfloat16", "--port", "9001"]) == 0
     assert seen["dtype"] == "bfloat16" and seen["port"] == 9001
-    assert seen["base_models"] == {"tiny": "/models/tiny"}
-    assert main(["serve", "--base-model", "tiny=/models/tiny"]) == 0
+    assert seen["base_models"] == {"tiny": str(tmp_path)}
+    assert main(["serve", "--base-model", model]) == 0
     assert seen["dtype"] == "auto"
 
 
@@ -101,6 +102,34 @@ def test_what_answers_a_typo_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "blackjack", "model.path={missing}"],
+        ["serve", "--base-model", "tiny={missing}", "--port", "0"],
+    ],
+    ids=["run", "serve"],
+)
+def test_a_missing_model_directory_is_refused_before_torch_loads(argv: list[str], tmp_path: Path) -> None:
+    """The commonest mistake, a model directory that is not there, is a path check: one line and exit code
+    2 with torch never imported (it took 5-8 s: the model path was resolved through the loader, and the
+    devices were checked first)."""
+    missing = tmp_path / "no-model"
+    argv = [a.format(missing=missing) for a in argv]
+    code = (
+        "import sys\nfrom inflight.cli import main\n"
+        f"rc = main({argv!r})\n"
+        "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert out.stdout.strip() == "2 []", out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(missing) in lines[0] and "does not exist" in lines[0], out.stderr
+    assert f"inflight model tiny --out {missing}" in lines[0]
 
 
 @pytest.mark.parametrize(

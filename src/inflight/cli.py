@@ -95,15 +95,19 @@ def _parse_base_models(items: list[str]) -> dict[str, str]:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from inflight.api.auth import check_listening
+    from inflight.models.paths import resolve
     from inflight.preflight import check_port
 
     # Before the service's imports (torch, via the tinker SDK: seconds): these refusals are instant.
     check_listening(args.host, args.api_key)
     check_port(args.port)
+    base_models = _parse_base_models(args.base_model)
+    for path in base_models.values():
+        resolve(path)  # a missing model directory (the service checks the rest of each once it loads)
     from inflight.api.app import serve
 
     serve(
-        base_models=_parse_base_models(args.base_model),
+        base_models=base_models,
         db_url=args.db,
         host=args.host,
         port=args.port,

@@ -163,7 +163,7 @@ def check_database(url: str, what: str = "--db", timeout_s: int = CONNECT_TIMEOU
 
 def check_model_dir(name_or_path: str) -> None:
     """A local model path must be a Hugging Face model directory; a hub id is left to the loader."""
-    from inflight.models.loader import resolve
+    from inflight.models.paths import resolve
 
     local = Path(resolve(name_or_path))  # UserError for a path that does not exist or is a file
     if not local.is_dir():
@@ -275,14 +275,15 @@ def check_run(cfg: RunConfig, env_name: str = "", env_factory: Any = None) -> No
     """What `inflight run` can check before it builds anything (the task, the run directory and its
     checkpoint are checked where they are opened, also before the weights load). `env_factory`: the task's
     own Env (named `env_name`), which `cfg.env.name` replaces when set."""
+    # The model path first: a missing directory is a path check, answered before torch is imported.
+    if cfg.model.path:
+        check_model_dir(cfg.model.path)
+        check_chat_template(cfg.model.path)
     from inflight.models.device import resolve_device  # torch: only once a run is really starting
 
     if cfg.launcher == "local":  # under Ray the devices are the placed actors', not this machine's
         resolve_device(cfg.engine.device, "engine.device")
         resolve_device(cfg.trainer.device, "trainer.device")
-    if cfg.model.path:
-        check_model_dir(cfg.model.path)
-        check_chat_template(cfg.model.path)
     if cfg.env.name:
         check_env(cfg.env.name, cfg.env.kwargs)
     elif env_factory is not None:

@@ -319,13 +319,13 @@ def serve(
         launcher=launcher,
         ray=RayConfig(address=ray_address),
     )
+    for path in base_models.values():  # a missing directory: a path check, answered before torch loads
+        check_model_dir(path)
     from inflight.models.device import resolve_device
 
     resolve_device(device, "--device")  # a device this machine lacks: one line, before anything loads
     ensure_dir(config.state_dir, "--state-dir")
     check_database(config.database_url, "--db" if db_url else "the database in --state-dir")
-    for path in base_models.values():
-        check_model_dir(path)
     with contextlib.closing(bind_port(host, port)) as sock:
         # Loaded before uvicorn starts, so that a model that fails to load is one line (on Ray: at start).
         app = create_app(config, compute=load_compute(config) if launcher == "local" else None)

@@ -36,7 +36,8 @@ from inflight.errors import UserError
 from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
 from inflight.models.attention import use_cpu_float32_attention
 from inflight.models.device import resolve_device
-from inflight.models.loader import load_model, load_tokenizer, native_bfloat16, resolve, resolve_dtype
+from inflight.models.loader import load_model, load_tokenizer, native_bfloat16, resolve_dtype
+from inflight.models.paths import resolve
 from inflight.trainer.adapter_checkpoint import (
     CheckpointMeta,
     read_adapter_tensors,

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from inflight.errors import UserError
+from inflight.models.paths import build_hint, resolve
 from inflight.types import DtypeName
 
 
@@ -33,36 +34,12 @@ def resolve_dtype(name: DtypeName, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def _looks_like_path(name_or_path: str | Path) -> bool:
-    # Hub ids are "name" or "org/name"; anything absolute, relative-dotted, home-based, deeper or existing
-    # on disk (a file given by mistake) is a path.
-    if isinstance(name_or_path, Path):
-        return True
-    text = str(name_or_path)
-    return text.startswith(("/", ".", "~")) or text.count("/") >= 2 or Path(text).exists()
-
-
-def _build_hint(path: str) -> str:
-    return f"build one with `inflight model tiny --out {path}`"
-
-
-def resolve(name_or_path: str | Path) -> str:
-    """Return an existing local directory or a hub id; raise UserError for a path that is not a directory."""
-    local = Path(name_or_path).expanduser()
-    if local.is_dir():
-        return str(local)
-    if _looks_like_path(name_or_path):
-        problem = "is not a directory" if local.exists() else "does not exist"
-        raise UserError(f"model directory {str(local)!r} {problem}: {_build_hint(str(local))}")
-    return str(name_or_path)
-
-
 def _load_error(name: str, exc: OSError) -> UserError:
     # A bare "org/name" that is neither a local dir nor reachable on the hub ends here; say both readings.
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return UserError(
         f"cannot load {name!r} as a local model directory or a Hugging Face hub id ({reason}); "
-        f"for a local tiny model, {_build_hint('DIR')}"
+        f"for a local tiny model, {build_hint('DIR')}"
     )
 
 
