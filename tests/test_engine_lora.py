@@ -145,6 +145,34 @@ def test_recompute_after_an_adapter_replacement_continues_exactly_on_the_new_wei
     assert m.tokens_on_stale_kv == 0
 
 
+def test_one_packed_prefill_of_unequal_prompts_and_adapters_equals_the_merged_references(model) -> None:
+    """Prompts of different lengths, two adapters and the base weights admitted in one step: one packed
+    prefill (the adapters' rows of unequal token runs take the masked-dense form), each prompt's first
+    logprob and greedy continuation as a Hugging Face forward with its adapter merged gives them."""
+    engine = engine_for(model)
+    adapters = [
+        make_adapter(model, name, rank=r, seed=s, version=1) for name, r, s in [("a", 4, 1), ("b", 2, 2)]
+    ]
+    for update in adapters:
+        engine.set_adapter(update)
+    lengths, names = [3, 11, 6, 9, 1], ["a", None, "b", "a", "b"]
+    requests = [
+        SampleRequest(p, SamplingParams(max_tokens=4, temperature=0.0), adapter=name)
+        for p, name in zip(prompts(lengths), names, strict=True)
+    ]
+    done = {c.request_id: c for c in engine.generate(requests)}
+    assert engine.metrics().prefill_failures == 0
+    for request, name in zip(requests, names, strict=True):
+        reference = model if name is None else merged(model, adapters["ab".index(name)])
+        out = done[request.request_id]
+        logits = ref_logits(reference, request.prompt_token_ids + out.token_ids)[
+            len(request.prompt_token_ids) - 1 : -1
+        ]
+        assert out.token_ids == logits.argmax(-1).tolist()
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        assert (torch.tensor(out.logprobs) - expected).abs().max() < 1e-4
+
+
 def test_removal_drops_a_pending_replacement(model) -> None:
     engine = engine_for(model)
     engine.set_adapter(make_adapter(model, "a", rank=4, seed=1, version=1))

@@ -1,14 +1,20 @@
-"""Evaluation's greedy deduplication: one generation per distinct greedy request, shared by every caller.
+"""Evaluation's greedy deduplication (one generation per distinct greedy request, shared by every caller)
+and its bound on episodes in flight.
 
-Reference: a counting fake `generate` (pure logic: which requests reach the engine, what each caller gets).
+Reference: a counting fake `generate` and a fake task that counts its own concurrent rollouts (pure logic:
+which requests reach the engine, what each caller gets, how many episodes play at once).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from inflight.orchestrator.evaluate import greedy_once
-from inflight.types import Completion, SampleRequest, SamplingParams
+import pytest
+
+from inflight.config import RunConfig
+from inflight.orchestrator.evaluate import episodes_in_flight, evaluate, greedy_once
+from inflight.orchestrator.task import Task
+from inflight.types import Completion, Rollout, SampleRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -65,3 +71,43 @@ def test_sampled_requests_pass_through_and_a_cancelled_caller_leaves_the_others_
     out, cancelled = asyncio.run(main())
     assert cancelled and out[0].request_id == "b" and out[0].token_ids == [2, 1]
     assert len(calls) == 1 + 3  # the shared greedy generation, and every sampled request
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, 128),  # the engine's rows
+        ({"engine": {"max_batch_size": 16}}, 16),
+        ({"engine": {"max_batch_size": 16}, "pipeline": {"engine_urls": ["http://a", "http://b"]}}, 32),
+        ({"engine": {"max_batch_size": 16}, "launcher": "ray", "ray": {"num_engine_replicas": 3}}, 48),
+        ({"eval": {"max_episodes_in_flight": 5}}, 5),
+    ],
+)
+def test_episodes_in_flight_default_to_the_rows_the_engines_decode_together(overrides, expected) -> None:
+    cfg = RunConfig.model_validate({"engine": {"max_batch_size": 128}} | overrides)
+    assert episodes_in_flight(cfg) == expected
+
+
+def test_an_evaluation_plays_at_most_the_bound_of_episodes_at_once() -> None:
+    """Every problem is played (greedy and sampled), never more than `eval.max_episodes_in_flight` at a
+    time: more would only queue in the engine, where a later turn loses its cached K/V."""
+    playing, most = 0, 0
+
+    async def generate_rollout(ctx, problem: dict) -> Rollout:
+        nonlocal playing, most
+        playing += 1
+        most = max(most, playing)
+        await asyncio.sleep(0.001)
+        playing -= 1
+        return Rollout([1], [False], [0.0], [-1], reward=float(problem["x"]))
+
+    class Driver:
+        def run(self, play):
+            return asyncio.run(play(counting_generate()[1]))
+
+    task = Task("fake", load_problems=lambda split: [], generate_rollout=generate_rollout)
+    cfg = RunConfig.model_validate({"eval": {"max_episodes_in_flight": 7}})
+    problems = [{"x": i} for i in range(40)]
+    out = evaluate(task, problems, cfg, chat=None, driver=Driver(), num_problems=40)  # type: ignore[arg-type]
+    assert most == 7
+    assert out["return_greedy"] == out["return"] == sum(range(40)) / 40

@@ -90,6 +90,10 @@ class EvalConfig(_Config):
     # the policy and costs less per problem (identical requests are generated once).
     num_episodes_sampled: int | None = Field(default=None, ge=0)
     seed: int = 1_000_000  # seeds the sampled evaluation's turns (the same for every evaluation)
+    # Episodes played at once; the rest wait their turn. None: as many as the engines decode together
+    # (engine.max_batch_size per engine replica). More only queue in the engine, where a multi-turn episode's
+    # next turn waits behind thousands of first turns and finds its K/V gone from the prefix cache.
+    max_episodes_in_flight: int | None = Field(default=None, ge=1)
 
 
 class RolloutConfig(_Config):

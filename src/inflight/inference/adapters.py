@@ -175,6 +175,14 @@ class LoraBatch:
             return self
         return LoraBatch(self.stack, self.mask.repeat_interleave(tokens, dim=0), self.chunked)
 
+    def per_row_tokens(self, lengths: Sequence[int]) -> LoraBatch:
+        """For lengths[i] consecutive rows (tokens) per sequence row i, e.g. a packed prefill. Rows of
+        unequal lengths take the masked-dense form (the chunked one needs equal runs)."""
+        if len(set(lengths)) == 1:
+            return self.per_token(lengths[0])
+        counts = torch.tensor(list(lengths), device=self.mask.device)
+        return LoraBatch(self.stack, self.mask.repeat_interleave(counts, dim=0), chunked=False)
+
     def select(self, mask: Tensor) -> LoraBatch:
         """The same adapters over other rows, each row's slot given by `mask` (masked-dense form)."""
         return LoraBatch(self.stack, mask, chunked=False)

@@ -345,17 +345,25 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         """Logits [b, V] (float32) at each prompt's last token and [P, V] of the `full_rows`; writes KV rows
         row0.. (None: no cache)."""
         w = self.weights  # one snapshot for the whole pass
-        b, t = len(prompts), max(len(p) for p in prompts)
+        b = len(prompts)
         lora = self._lora.batch(adapters)
-        token_lora = None if lora is None else lora.per_token(t)
-        h = self._prefill_hidden(w, prompts, row0, token_lora).view(b, t, -1)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        logits = self._logits(w, h[torch.arange(b, device=self.device), last], lora)
+        if row0 is None:  # no cache rows to write (full_logits): one right-padded batch
+            t = max(len(p) for p in prompts)
+            token_lora = None if lora is None else lora.per_token(t)
+            h = self._prefill_hidden(w, prompts, token_lora).view(b, t, -1)
+            starts = [i * t for i in range(b)]
+            h = h.view(b * t, -1)
+        else:
+            h, starts = self._packed_pass(w, prompts, [0] * b, row0, lora)
+        last = torch.tensor(
+            [start + len(p) - 1 for start, p in zip(starts, prompts, strict=True)], device=self.device
+        )
+        logits = self._logits(w, h[last], lora)
         full = {}
         for i in full_rows:
             n = len(prompts[i])
             row_lora = None if lora is None else lora.select(lora.mask[i : i + 1].expand(n, -1, -1))
-            full[i] = self._logits(w, h[i, :n], row_lora)
+            full[i] = self._logits(w, h[starts[i] : starts[i] + n], row_lora)
         return logits, full
 
     def fill_cache(
@@ -363,27 +371,66 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
     ) -> None:
         """Recompute the K/V of rows row0.. from their token prefixes under the current weights (no logits).
 
-        Positions past a row's prefix receive padding K/V; decode masks them and overwrites them in turn.
+        Positions past a row's prefix keep what they held; decode masks them and overwrites them in turn.
         """
-        t = max(len(p) for p in prefixes)
-        lora = self._lora.batch(adapters)
-        self._prefill_hidden(self.weights, prefixes, row0, None if lora is None else lora.per_token(t))
+        self._packed_pass(self.weights, prefixes, [0] * len(prefixes), row0, self._lora.batch(adapters))
 
-    def _prefill_hidden(
-        self, w: Weights, prompts: list[list[int]], row0: int | None, lora: LoraBatch | None
-    ) -> Tensor:
-        """Hidden states [b * t, hidden] of right-padded prompts; writes KV rows row0.. (None: no cache)."""
-        b, t = len(prompts), max(len(p) for p in prompts)
-        # Right padding: causality alone hides the pad keys.
+    def _prefill_hidden(self, w: Weights, prompts: list[list[int]], lora: LoraBatch | None) -> Tensor:
+        """Hidden states [b * t, hidden] of right-padded prompts, no cache (causality hides the pad keys)."""
+        t = max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], device=self.device)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            if row0 is not None:
-                self.k_cache[layer][row0 : row0 + b, :t] = k
-                self.v_cache[layer][row0 : row0 + b, :t] = v
             return causal_attention(q, k, v)
 
         return self._layers(w, ids, self.cos[:t], self.signed_sin[:t], attend, lora)
+
+    def _packed_pass(
+        self, w: Weights, prompts: list[list[int]], cached: Sequence[int], row0: int, lora: LoraBatch | None
+    ) -> tuple[Tensor, list[int]]:
+        """Computes positions cached[i].. of prompt i into cache row row0 + i (the first cached[i] are there
+        already); returns their hidden states [N, hidden], the rows' new tokens one after another, and
+        where each row's begin.
+
+        Packed, not padded: every matmul runs over the N new tokens only. A batch of prompts of unequal
+        lengths (a multi-turn episode's later turns beside first turns) padded to the longest computed
+        1.5x the tokens it needed in BlackJack's evaluation. Only attention sees rows: each row's queries
+        are spread into a padded [b, t] layout and attend to the row's cached keys, positions up to their
+        own (the keys of earlier positions, cached or new, are all in the row)."""
+        dev = self.device
+        news = [p[c:] for p, c in zip(prompts, cached, strict=True)]
+        lengths = [len(n) for n in news]
+        b, t, total = len(news), max(lengths), sum(lengths)
+        starts = [0] * b
+        for i in range(1, b):
+            starts[i] = starts[i - 1] + lengths[i - 1]
+        ids = torch.tensor([tok for n in news for tok in n], device=dev)[None]  # [1, N]
+        # Host lists -> tensors in one step each: token i of row r sits at position cached[r] + j.
+        row_of = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lengths, device=dev))
+        offset = torch.arange(total, device=dev) - torch.tensor(starts, device=dev)[row_of]  # j
+        positions = torch.tensor(list(cached), device=dev)[row_of] + offset  # [N]
+        slots = self.row_slots[row0 + row_of] + positions  # where the new K/V go in the flat cache
+        padded = row_of * t + offset  # each token's place in the [b * t] layout
+        span = max(c + n for c, n in zip(cached, lengths, strict=True))
+        # Padding queries (never read back) see position 0 only; real ones every key up to their own.
+        query_positions = torch.zeros(b * t, dtype=torch.long, device=dev).index_copy_(0, padded, positions)
+        visible = torch.arange(span, device=dev)[None, :] <= query_positions.view(b, t)[:, :, None]
+        nh, kv, d = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = self.k_cache[layer], self.v_cache[layer]
+            kc.view(-1, kv, d).index_copy_(0, slots, k[0])
+            vc.view(-1, kv, d).index_copy_(0, slots, v[0])
+            queries = q.new_zeros(b * t, nh, d).index_copy_(0, padded, q[0]).view(b, t, nh, d)
+            keys, values = (c[row0 : row0 + b, :span].transpose(1, 2) for c in (kc, vc))  # [b, KV, S, D]
+            out = F.scaled_dot_product_attention(
+                queries.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
+            )  # [b, H, t, D]
+            return out.transpose(1, 2).reshape(b * t, nh * d).index_select(0, padded)
+
+        token_lora = None if lora is None else lora.per_row_tokens(lengths)
+        h = self._layers(w, ids, self.cos[positions], self.signed_sin[positions], attend, token_lora)
+        return h, starts
 
     def prefill_after(
         self,
@@ -395,36 +442,10 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         """Logits [b, V] (float32) at each prompt's last token, computing only positions cached[i].. of
         prompt i: its new tokens attend to the K/V already in row row0 + i and to each other (causal)."""
         w = self.weights
-        news = [p[c:] for p, c in zip(prompts, cached, strict=True)]
-        b, t = len(news), max(len(n) for n in news)
-        dev = self.device
-        ids = torch.tensor([n + [0] * (t - len(n)) for n in news], device=dev)
-        start = torch.tensor(list(cached), device=dev)
-        lengths = torch.tensor([len(n) for n in news], device=dev)
-        positions = start[:, None] + torch.arange(t, device=dev)[None]  # [b, t]
-        valid = torch.arange(t, device=dev)[None] < lengths[:, None]
-        span = max(c + len(n) for c, n in zip(cached, news, strict=True))
-        # Padding queries read position 0's rotation and attend like the row's last token; discarded.
-        rotary = torch.where(valid, positions, 0).view(-1)
-        slots = (self.row_slots[row0 : row0 + b, None] + positions)[valid]  # where the new K/V go
-        visible = torch.arange(span, device=dev)[None, None, :] <= positions[:, :, None]  # [b, t, span]
-        kv, d = self.spec.num_kv_heads, self.spec.head_dim
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kc, vc = self.k_cache[layer], self.v_cache[layer]
-            kc.view(-1, kv, d).index_copy_(0, slots, k[valid])
-            vc.view(-1, kv, d).index_copy_(0, slots, v[valid])
-            keys, values = (c[row0 : row0 + b, :span].transpose(1, 2) for c in (kc, vc))  # [b, KV, S, D]
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
-            )
-            return out.transpose(1, 2).reshape(b * t, -1)
-
         lora = self._lora.batch(adapters)
-        token_lora = None if lora is None else lora.per_token(t)
-        cos, sin = self.cos[rotary], self.signed_sin[rotary]
-        h = self._layers(w, ids, cos, sin, attend, token_lora).view(b, t, -1)
-        return self._logits(w, h[torch.arange(b, device=dev), lengths - 1], lora)
+        h, starts = self._packed_pass(w, prompts, cached, row0, lora)
+        ends = [start + len(p) - c for start, p, c in zip(starts, prompts, cached, strict=True)]
+        return self._logits(w, h[torch.tensor(ends, device=self.device) - 1], lora)
 
     def full_logits(self, token_ids: list[int], adapter: FusedAdapter | None = None) -> Tensor:
         """Logits [T, V] (float32) at every position of one sequence; the cache is untouched."""

@@ -57,11 +57,14 @@ def _play(
         contexts = [
             RolloutContext(generate, chat, params, f"test-{i}", i, 0, seed, cfg) for i in range(len(batch))
         ]
+        slots = asyncio.Semaphore(episodes_in_flight(cfg))
+
+        async def one(ctx: RolloutContext, problem: dict) -> Rollout | None:
+            async with slots:  # the rollout's timeout runs from here, not while it waits for a slot
+                return await guard.run(task.generate_rollout, ctx, problem)
+
         return await asyncio.gather(
-            *(
-                guard.run(task.generate_rollout, ctx, problem)
-                for ctx, problem in zip(contexts, batch, strict=True)
-            )
+            *(one(ctx, problem) for ctx, problem in zip(contexts, batch, strict=True))
         )
 
     rollouts = [r for r in driver.run(play) if r is not None]
@@ -73,6 +76,23 @@ def _play(
         out[f"{key}{suffix}"] = statistics.fmean(r.metrics.get(key, 0.0) for r in rollouts)
     out[f"rollout_errors{suffix}"] = float(guard.failed)
     return out
+
+
+def episodes_in_flight(cfg: RunConfig) -> int:
+    """`eval.max_episodes_in_flight`, or the rows the run's engines decode at once.
+
+    Measured on BlackJack's 10,000 test hands (AMD EPYC, 2 cores): all at once 21 s, as many as the
+    engine's 128 rows 17-18 s (the later turns find their K/V in the prefix cache: half the prefill
+    tokens), twice that 39 s (they do not, and wait behind first turns)."""
+    if cfg.eval.max_episodes_in_flight is not None:
+        return cfg.eval.max_episodes_in_flight
+    if cfg.pipeline.engine_urls:
+        replicas = len(cfg.pipeline.engine_urls)
+    elif cfg.launcher == "ray":
+        replicas = cfg.ray.num_engine_replicas
+    else:
+        replicas = 1
+    return cfg.engine.max_batch_size * replicas
 
 
 def greedy_once(generate: GenerateFn) -> GenerateFn:
