@@ -395,8 +395,10 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         Packed, not padded: every matmul runs over the N new tokens only. A batch of prompts of unequal
         lengths (a multi-turn episode's later turns beside first turns) padded to the longest computed
         1.5x the tokens it needed in BlackJack's evaluation. Only attention sees rows: each row's queries
-        are spread into a padded [b, t] layout and attend to the row's cached keys, positions up to their
-        own (the keys of earlier positions, cached or new, are all in the row)."""
+        are spread into a padded [b, t] layout. Rows that resume a cached prefix attend to the keys in their
+        cache row, positions up to their own (an explicit mask); a pass of fresh prompts only attends
+        causally over its own keys, spread the same way (`causal_attention`: no mask to build, and the
+        flash kernel's memory for long prompts)."""
         dev = self.device
         news = [p[c:] for p, c in zip(prompts, cached, strict=True)]
         lengths = [len(n) for n in news]
@@ -411,22 +413,36 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         positions = torch.tensor(list(cached), device=dev)[row_of] + offset  # [N]
         slots = self.row_slots[row0 + row_of] + positions  # where the new K/V go in the flat cache
         padded = row_of * t + offset  # each token's place in the [b * t] layout
-        span = max(c + n for c, n in zip(cached, lengths, strict=True))
-        # Padding queries (never read back) see position 0 only; real ones every key up to their own.
-        query_positions = torch.zeros(b * t, dtype=torch.long, device=dev).index_copy_(0, padded, positions)
-        visible = torch.arange(span, device=dev)[None, :] <= query_positions.view(b, t)[:, :, None]
         nh, kv, d = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
 
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            kc, vc = self.k_cache[layer], self.v_cache[layer]
-            kc.view(-1, kv, d).index_copy_(0, slots, k[0])
-            vc.view(-1, kv, d).index_copy_(0, slots, v[0])
-            queries = q.new_zeros(b * t, nh, d).index_copy_(0, padded, q[0]).view(b, t, nh, d)
-            keys, values = (c[row0 : row0 + b, :span].transpose(1, 2) for c in (kc, vc))  # [b, KV, S, D]
-            out = F.scaled_dot_product_attention(
-                queries.transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
-            )  # [b, H, t, D]
-            return out.transpose(1, 2).reshape(b * t, nh * d).index_select(0, padded)
+        def spread(x: Tensor) -> Tensor:  # [1, N, heads, D] -> [b, t, heads, D], zeros where padding
+            return x.new_zeros(b * t, *x.shape[2:]).index_copy_(0, padded, x[0]).view(b, t, *x.shape[2:])
+
+        if not any(cached):
+
+            def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                self.k_cache[layer].view(-1, kv, d).index_copy_(0, slots, k[0])
+                self.v_cache[layer].view(-1, kv, d).index_copy_(0, slots, v[0])
+                # Right padding: causality alone hides the pad keys from every real query.
+                return causal_attention(spread(q), spread(k), spread(v)).index_select(0, padded)
+
+        else:
+            span = max(c + n for c, n in zip(cached, lengths, strict=True))
+            # Padding queries (never read back) see position 0 only; real ones every key up to their own.
+            query_positions = torch.zeros(b * t, dtype=torch.long, device=dev).index_copy_(
+                0, padded, positions
+            )
+            visible = torch.arange(span, device=dev)[None, :] <= query_positions.view(b, t)[:, :, None]
+
+            def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                kc, vc = self.k_cache[layer], self.v_cache[layer]
+                kc.view(-1, kv, d).index_copy_(0, slots, k[0])
+                vc.view(-1, kv, d).index_copy_(0, slots, v[0])
+                keys, values = (c[row0 : row0 + b, :span].transpose(1, 2) for c in (kc, vc))  # [b, KV, S, D]
+                out = F.scaled_dot_product_attention(
+                    spread(q).transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
+                )  # [b, H, t, D]
+                return out.transpose(1, 2).reshape(b * t, nh * d).index_select(0, padded)
 
         token_lora = None if lora is None else lora.per_row_tokens(lengths)
         h = self._layers(w, ids, self.cos[positions], self.signed_sin[positions], attend, token_lora)
