@@ -389,8 +389,8 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         self, w: Weights, prompts: list[list[int]], cached: Sequence[int], row0: int, lora: LoraBatch | None
     ) -> tuple[Tensor, list[int]]:
         """Computes positions cached[i].. of prompt i into cache row row0 + i (the first cached[i] are there
-        already); returns their hidden states [N, hidden], the rows' new tokens one after another, and
-        where each row's begin.
+        already); returns their hidden states [N, hidden] (the rows' new tokens one after another) and the
+        index at which each row's tokens begin.
 
         Packed, not padded: every matmul runs over the N new tokens only. A batch of prompts of unequal
         lengths (a multi-turn episode's later turns beside first turns) padded to the longest computed
