@@ -9,6 +9,7 @@ sampling or versions.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -350,9 +351,8 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         if row0 is None:  # no cache rows to write (full_logits): one right-padded batch
             t = max(len(p) for p in prompts)
             token_lora = None if lora is None else lora.per_token(t)
-            h = self._prefill_hidden(w, prompts, token_lora).view(b, t, -1)
+            h = self._prefill_hidden(w, prompts, token_lora)  # [b * t, hidden]
             starts = [i * t for i in range(b)]
-            h = h.view(b * t, -1)
         else:
             h, starts = self._packed_pass(w, prompts, [0] * b, row0, lora)
         last = torch.tensor(
@@ -403,9 +403,7 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         news = [p[c:] for p, c in zip(prompts, cached, strict=True)]
         lengths = [len(n) for n in news]
         b, t, total = len(news), max(lengths), sum(lengths)
-        starts = [0] * b
-        for i in range(1, b):
-            starts[i] = starts[i - 1] + lengths[i - 1]
+        starts = list(itertools.accumulate(lengths[:-1], initial=0))
         ids = torch.tensor([tok for n in news for tok in n], device=dev)[None]  # [1, N]
         # Host lists -> tensors in one step each: token i of row r sits at position cached[r] + j.
         row_of = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lengths, device=dev))
