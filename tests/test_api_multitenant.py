@@ -184,6 +184,54 @@ def test_each_model_runs_in_seq_id_order_while_models_advance_together(worker_se
     assert engine.calls[3:] == [("forward_backward", [b]), ("optim_step", [b])]
 
 
+def test_heads_accepted_here_are_claimed_by_id_in_seq_id_order(worker_setup, monkeypatch) -> None:
+    """The fast claim (`EngineWorker._claim_heads`): a future the routes hand over whose predecessor this
+    worker claimed skips the ready-heads query; everything else still goes through it, in seq_id order."""
+    worker, store, engine = worker_setup
+    queries: list[int] = []
+    query = worker.store.claim_ready
+    monkeypatch.setattr(worker.store, "claim_ready", lambda: queries.append(1) or query())
+    a, b = "s:train:0", "s:train:1"
+    fb, opt = RequestType.FORWARD_BACKWARD, RequestType.OPTIM_STEP
+
+    accepted: list[str] = []
+
+    def accept(model_id: str, seq_id: int, request_type: RequestType) -> None:
+        payload = (fwd_bwd_payload if request_type is fb else optim_payload)(model_id, seq_id)
+        future = store.submit(model_id, seq_id, request_type, payload)
+        accepted.append(future.request_id)
+        worker.wake(request_type, future)
+
+    accept(a, 1, fb)  # its predecessor (the creation) was not claimed by this worker: the query
+    assert worker.run_once() == 1 and len(queries) == 1
+    accept(a, 2, opt)  # this worker claimed seq_id 1: by id
+    assert worker.run_once() == 1 and len(queries) == 1
+    accept(a, 4, fb)  # accepted before its predecessor: one head per model per round, seq 3 first
+    accept(a, 3, fb)
+    assert worker.run_once() == 1 and len(queries) == 1
+    assert worker.run_once() == 1 and len(queries) == 2  # seq 4 was left to the query
+    # A predecessor that never ran (refused when it came) leaves its successor to the query's count.
+    store.reject(a, 5, fb, fwd_bwd_payload(a, 5), "refused")
+    accept(a, 6, opt)
+    assert worker.run_once() == 1 and len(queries) == 3
+    assert engine.calls == [
+        ("forward_backward", [a]),
+        ("optim_step", [a]),
+        ("forward_backward", [a]),
+        ("forward_backward", [a]),
+        ("optim_step", [a]),
+    ]
+    # Queued by another process (no hand-over): found by the query, which runs at least every interval
+    # even while the fast path has work.
+    store.submit(b, 1, fb, fwd_bwd_payload(b, 1))
+    accept(a, 7, fb)
+    assert worker.run_once() == 1 and engine.calls[-1] == ("forward_backward", [a])
+    worker.config.heads_query_interval_s = 0.0
+    accept(a, 8, fb)
+    assert worker.run_once() == 2 and engine.calls[-1] == ("forward_backward", [a, b])
+    assert [store.get(request_id).status for request_id in accepted] == ["done"] * len(accepted)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     # float32: the test holds each tenant to where training it alone ends, exactly (bfloat16 batches round

@@ -225,6 +225,13 @@ class FutureStore:
             claimed = _mark_running(connection, [head.request_id for head in heads])
         return ClaimedHeads(claimed, more_queued=any(head.queued > 1 for head in heads))
 
+    def claim(self, request_ids: Sequence[str]) -> list[Future]:
+        """Mark those of `request_ids` still pending running, in the order given, without looking for
+        heads: for a caller that already knows each is its model's ready head (claim_ready's rule: its
+        predecessor was claimed). Conditional on pending, so a claim that lost a race returns fewer."""
+        with self.db.write_connection() as connection:
+            return _mark_running(connection, [int(request_id) for request_id in request_ids])
+
     def ready_model_ids(self) -> list[str]:
         """Models whose next future in seq_id order is pending and claimable now."""
         with self.db.read_connection() as connection:

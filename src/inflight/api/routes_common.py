@@ -45,6 +45,6 @@ def submit(
             max_seq_ahead=max_seq_ahead,
             on_inserted=state.board.accepted,
         )
-        state.wake(request_type)
+        state.wake(request_type, future)
     annotate_future(future)
     return future

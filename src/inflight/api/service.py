@@ -168,7 +168,7 @@ class ServiceState:
     board: CompletionBoard
     # The routes' nudge after a submit (the request's type, or None: look everywhere), so the worker
     # need not poll.
-    wake_worker: Callable[[RequestType | None], None]
+    wake_worker: Callable[[RequestType | None, Future | None], None]
     counters: Callable[[], Mapping[str, int]]  # the worker's counts, for /server_stats
     archive_signer: ArchiveSigner  # signs and checks checkpoint download links (one secret per process)
     # Stops a cancelled sample's engine work (the worker's `cancel_sample`); any thread.
@@ -207,8 +207,8 @@ class ServiceState:
             raise NotFoundError(f"unknown session_id {session_id!r}: call create_session first")
         return row
 
-    def wake(self, request_type: RequestType | None = None) -> None:
-        self.wake_worker(request_type)
+    def wake(self, request_type: RequestType | None = None, accepted: Future | None = None) -> None:
+        self.wake_worker(request_type, accepted)
 
 
 def get_state(request: Request) -> ServiceState:
