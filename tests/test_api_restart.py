@@ -205,3 +205,5 @@ def test_kill_9_then_restart_keeps_futures_and_checkpoints(
     ).result()
     assert len(sampled.sequences[0].tokens) >= 1
     fresh.close("success").result()
+    # The first session too, on the restarted server: its heartbeats stop (else they fail until exit).
+    service.close("success").result()

@@ -254,3 +254,5 @@ def test_json_bodies_are_checked_like_protobuf_ones(server: BackgroundServer) ->
             http.post("forward_backward", content=content, headers={"Content-Type": "application/json"})
         )
         assert failed["category"] == "user" and "NaN or infinite" in failed["error"], failed
+    # Closed while the server runs: the SDK stops its session's heartbeats (else they fail until exit).
+    service.close("success").result()
