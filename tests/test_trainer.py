@@ -458,3 +458,37 @@ def test_tokens_after_the_last_trained_one_are_not_computed_and_change_nothing(t
 
     for a, b in zip(grads(tails), grads(samples), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared_prefixes"])
+def test_the_last_layer_trimmed_to_trained_positions_gives_the_full_step(
+    tiny_model_dir: Path, layout: str
+) -> None:
+    """`trainer.trim_last_layer`: the last layer's MLP only where the loss reads the hidden states. The
+    same metrics and gradients as the full layer (the KL reference's forward trimmed too), and the MLP
+    really saw fewer positions. Grouped samples: trained tokens inside a shared prefix included."""
+    samples = make_grouped_samples(prompts=3, group=4, vocab=2048, seed=8)
+    steps, mlp_rows = {}, {}
+    for trim in (False, True):
+        config = TrainerConfig(
+            micro_batch_size=64,
+            loss=_regularised_ppo("token_mean"),
+            packing=layout != "padded",
+            share_prefixes=layout == "shared_prefixes",
+            trim_last_layer=trim,
+        )
+        rows: list[int] = []
+        torch.manual_seed(0)
+        trainer = Trainer(load_model(tiny_model_dir), config)
+        for model in (trainer.model, trainer.ref_model):
+            assert model is not None
+            mlp = model.get_decoder().layers[-1].mlp
+            mlp.register_forward_hook(
+                lambda m, args, out, rows=rows: rows.append(args[0].numel() // args[0].shape[-1])
+            )
+        metrics = trainer.forward_backward(samples)
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        steps[trim], mlp_rows[trim] = (metrics, grads), sum(rows)
+    _assert_same_step(steps[True], steps[False])
+    trained = sum(int(sum(1 for m in s.loss_mask[1:] if m)) for s in samples)
+    assert mlp_rows[True] <= 2 * trained < mlp_rows[False]  # policy and reference: at most the trained ones

@@ -92,6 +92,14 @@ class MicroBatch:
             return inputs
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "use_cache": False}
 
+    def flat_positions(self, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The distinct indices into a forward output viewed as [rows * L, D] that `select(out, where)`
+        reads (in a shared prefix, several samples read one)."""
+        rows, cols = where
+        if self.packed_flat is None:
+            return torch.unique(rows * self.input_ids.shape[1] + cols)
+        return torch.unique(self.packed_flat[rows, cols])
+
     def select(self, out: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """[N, D] rows of a forward output [rows, L, D] at the (b, t) positions `where`."""
         rows, cols = where

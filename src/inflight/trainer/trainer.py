@@ -35,6 +35,7 @@ from inflight.models.loader import native_bfloat16
 from inflight.trainer import checkpoint as checkpoints
 from inflight.trainer.batch_layout import MicroBatch, packing_is_exact, shared_prefixes_are_exact
 from inflight.trainer.config import TrainerConfig, lr_at
+from inflight.trainer.last_layer import last_layer_at, trimmable_last_layer
 from inflight.trainer.lora_policy import LoraPolicy
 from inflight.trainer.micro_batches import group_by_total_tokens, lexicographic_order, pack_by_tokens
 from inflight.trainer.policy import FullPolicy, Policy
@@ -149,6 +150,9 @@ class Trainer:
             self.policy = LoraPolicy(model, spec, self.device)
         else:
             self.policy = FullPolicy(model, keep_reference=config.loss.kl_coef > 0)
+        # Gradient checkpointing re-runs each layer in the backward pass, outside the trim's block.
+        self._trim = config.trim_last_layer and not config.gradient_checkpointing
+        self._trimmable: dict[int, torch.nn.Module | None] = {}  # id(model) -> its last layer, if trimmable
 
     @property
     def model(self) -> torch.nn.Module:
@@ -199,9 +203,21 @@ class Trainer:
         with self._autocast():
             if decoder is None or head is None:  # not a decoder + LM head model: full logits, then select
                 return mb.select(model(**mb.forward_inputs()).logits, where).float()
-            hidden = decoder(**mb.forward_inputs()).last_hidden_state
+            layer = self._trimmed_layer(model)
+            trim = last_layer_at(layer, mb.flat_positions(where)) if layer else contextlib.nullcontext()
+            with trim:
+                hidden = decoder(**mb.forward_inputs()).last_hidden_state
             with routing(1):  # [1, N, H]
                 return head(mb.select(hidden, where)[None])[0].float()
+
+    def _trimmed_layer(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """`model`'s last decoder layer when it runs only where the loss looks (`trainer/last_layer.py`):
+        full-parameter training alone (LoRA routes adapters per row; a sharded policy's layers are FSDP's)."""
+        if not self._trim or type(self.policy) is not FullPolicy:
+            return None
+        if id(model) not in self._trimmable:
+            self._trimmable[id(model)] = trimmable_last_layer(model)
+        return self._trimmable[id(model)]
 
     def forward_backward(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Accumulate gradients of the loss over `samples`, in micro-batches. Returns step metrics."""
