@@ -226,7 +226,7 @@ def test_heads_accepted_here_are_claimed_by_id_in_seq_id_order(worker_setup, mon
     store.submit(b, 1, fb, fwd_bwd_payload(b, 1))
     accept(a, 7, fb)
     assert worker.run_once() == 1 and engine.calls[-1] == ("forward_backward", [a])
-    worker.config.heads_query_interval_s = 0.0
+    worker.config.heads_query_interval_s = 1e-9  # (its minimum is above 0): the query every round
     accept(a, 8, fb)
     assert worker.run_once() == 2 and engine.calls[-1] == ("forward_backward", [a, b])
     assert [store.get(request_id).status for request_id in accepted] == ["done"] * len(accepted)

@@ -490,5 +490,5 @@ def test_the_last_layer_trimmed_to_trained_positions_gives_the_full_step(
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         steps[trim], mlp_rows[trim] = (metrics, grads), sum(rows)
     _assert_same_step(steps[True], steps[False])
-    trained = sum(int(sum(1 for m in s.loss_mask[1:] if m)) for s in samples)
+    trained = sum(1 for s in samples for m in s.loss_mask[1:] if m)  # the loss's positions, per sample
     assert mlp_rows[True] <= 2 * trained < mlp_rows[False]  # policy and reference: at most the trained ones

@@ -5,7 +5,7 @@ The trainer reads the last hidden states only at the trained positions (the LM h
 in a layer only attention mixes positions: a position's MLP output in the last layer reaches nothing but
 its own final hidden state. So at every other position that MLP can be skipped; the layer's attention
 still runs at every position, because the kept positions attend to all of them. The result at the kept
-positions is the full layer's, bit for bit up to the order of float additions, and so are the gradients.
+positions is the full layer's (up to float rounding), and so are the gradients.
 `make run`'s batch keeps 384 of ~1,700 positions; the MLP is ~80% of a layer's multiply-adds at the tiny
 model's shapes, so a one-thread training step went from 256.8 to 220.3 ms (docs/benchmarks.md).
 

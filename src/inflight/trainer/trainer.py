@@ -152,7 +152,6 @@ class Trainer:
             self.policy = FullPolicy(model, keep_reference=config.loss.kl_coef > 0)
         # Gradient checkpointing re-runs each layer in the backward pass, outside the trim's block.
         self._trim = config.trim_last_layer and not config.gradient_checkpointing
-        self._trimmable: dict[int, torch.nn.Module | None] = {}  # id(model) -> its last layer, if trimmable
 
     @property
     def model(self) -> torch.nn.Module:
@@ -204,7 +203,9 @@ class Trainer:
             if decoder is None or head is None:  # not a decoder + LM head model: full logits, then select
                 return mb.select(model(**mb.forward_inputs()).logits, where).float()
             layer = self._trimmed_layer(model)
-            trim = last_layer_at(layer, mb.flat_positions(where)) if layer else contextlib.nullcontext()
+            trim: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if layer is not None:
+                trim = last_layer_at(layer, mb.flat_positions(where))
             with trim:
                 hidden = decoder(**mb.forward_inputs()).last_hidden_state
             with routing(1):  # [1, N, H]
@@ -215,9 +216,7 @@ class Trainer:
         full-parameter training alone (LoRA routes adapters per row; a sharded policy's layers are FSDP's)."""
         if not self._trim or type(self.policy) is not FullPolicy:
             return None
-        if id(model) not in self._trimmable:
-            self._trimmable[id(model)] = trimmable_last_layer(model)
-        return self._trimmable[id(model)]
+        return trimmable_last_layer(model)
 
     def forward_backward(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Accumulate gradients of the loss over `samples`, in micro-batches. Returns step metrics."""
