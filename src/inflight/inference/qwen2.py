@@ -416,11 +416,17 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         def spread(x: Tensor) -> Tensor:  # [1, N, heads, D] -> [b, t, heads, D], zeros where padding
             return x.new_zeros(b * t, *x.shape[2:]).index_copy_(0, padded, x[0]).view(b, t, *x.shape[2:])
 
+        def store(layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            """The new K/V into their cache slots; returns the layer's caches."""
+            kc, vc = self.k_cache[layer], self.v_cache[layer]
+            kc.view(-1, kv, d).index_copy_(0, slots, k[0])
+            vc.view(-1, kv, d).index_copy_(0, slots, v[0])
+            return kc, vc
+
         if not any(cached):
 
             def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                self.k_cache[layer].view(-1, kv, d).index_copy_(0, slots, k[0])
-                self.v_cache[layer].view(-1, kv, d).index_copy_(0, slots, v[0])
+                store(layer, k, v)
                 # Right padding: causality alone hides the pad keys from every real query.
                 return causal_attention(spread(q), spread(k), spread(v)).index_select(0, padded)
 
@@ -433,9 +439,7 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
             visible = torch.arange(span, device=dev)[None, :] <= query_positions.view(b, t)[:, :, None]
 
             def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                kc, vc = self.k_cache[layer], self.v_cache[layer]
-                kc.view(-1, kv, d).index_copy_(0, slots, k[0])
-                vc.view(-1, kv, d).index_copy_(0, slots, v[0])
+                kc, vc = store(layer, k, v)
                 keys, values = (c[row0 : row0 + b, :span].transpose(1, 2) for c in (kc, vc))  # [b, KV, S, D]
                 out = F.scaled_dot_product_attention(
                     spread(q).transpose(1, 2), keys, values, attn_mask=visible[:, None], enable_gqa=True
