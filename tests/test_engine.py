@@ -15,6 +15,7 @@ import transformers
 
 from inflight.errors import UserError
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig, Engine
+from inflight.inference.adapters import FusedAdapter, LoraStacks
 from inflight.inference.qwen2 import gate_up_linear
 from inflight.inference.sampling import sample
 from inflight.types import SampleRequest, SamplingParams, WeightUpdate
@@ -104,14 +105,33 @@ def test_logprob_parity_with_hf_forward(arch: str, tie: bool, temperature: float
 
 @pytest.mark.parametrize("rows", [1, 64, 300])  # <= 256 rows: one matmul per thread; more: one matmul
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gate_up_linear_equals_the_stacked_matmul(rows: int, threads: int) -> None:
+@pytest.mark.parametrize("adapters", [0, 1, 2])  # LoRA on the rows: none, one adapter, two (half each)
+def test_gate_up_linear_equals_the_stacked_matmul(rows: int, threads: int, adapters: int) -> None:
     generator = torch.Generator().manual_seed(rows)
     x, gate_up = torch.randn(rows, 16, generator=generator), torch.randn(2 * 24, 16, generator=generator)
-    expected_gate, expected_up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+    expected = torch.nn.functional.linear(x, gate_up)
+    lora = None
+    if adapters:
+        layout = {"gate_up": [("gate", 0, 24), ("up", 24, 24)]}
+        fused = [
+            FusedAdapter.build(
+                {p: (torch.randn(4, 16, generator=generator), torch.randn(24, 4, generator=generator))
+                 for p in ("gate", "up")},
+                scale=0.5, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
+            )  # fmt: skip
+            for _ in range(adapters)
+        ]
+        row_adapters = [fused[i * adapters // rows] for i in range(rows)]
+        lora = LoraStacks(list(layout), torch.float32, torch.device("cpu")).batch(row_adapters)
+        assert lora is not None
+        delta = lora.delta("gate_up", x)
+        assert delta is not None
+        expected = expected + delta
+    expected_gate, expected_up = expected.chunk(2, dim=-1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        gate, up = gate_up_linear(x, gate_up)
+        gate, up = gate_up_linear(x, gate_up, lora, "gate_up")
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(gate, expected_gate)

@@ -60,10 +60,15 @@ def engine_for(model, **config) -> BuiltinEngine:
 )
 def test_lora_forms_equal_the_per_row_formula(rows: list[int | None], chunked: bool) -> None:
     """Fused sites with parts (q/k/v-like), adapters of different ranks, one lacking a part and one lacking
-    a whole site, rows without an adapter; both forms (LoraBatch.add_ and .delta)."""
+    a whole site, rows without an adapter; every form (LoraBatch.add_, .add_halves_ and .delta), with A
+    read transposed (ranks up to 8) and contiguous (qkv and gate/up stack the parts' ranks past 8)."""
     g = torch.Generator().manual_seed(0)
-    layout = {"qkv": [("q", 0, 6), ("k", 6, 4), ("v", 10, 4)], "down": [("d", 0, 5)]}
-    shapes = {"q": (8, 6), "k": (8, 4), "v": (8, 4), "d": (8, 5)}
+    layout = {
+        "qkv": [("q", 0, 6), ("k", 6, 4), ("v", 10, 4)],
+        "gate_up": [("g", 0, 6), ("u", 6, 6)],
+        "down": [("d", 0, 5)],
+    }
+    shapes = {"q": (8, 6), "k": (8, 4), "v": (8, 4), "g": (8, 6), "u": (8, 6), "d": (8, 5)}
 
     def modules(rank: int, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {
@@ -71,7 +76,7 @@ def test_lora_forms_equal_the_per_row_formula(rows: list[int | None], chunked: b
             for n in names
         }
 
-    specs = [(2, 0.5, modules(2, ["q", "v", "d"])), (5, 1.5, modules(5, ["q", "k", "v"]))]
+    specs = [(2, 0.5, modules(2, ["q", "v", "g", "d"])), (5, 1.5, modules(5, ["q", "k", "v", "g", "u"]))]
     fused = [
         FusedAdapter.build(m, scale, layout, torch.float32, torch.device("cpu")) for _, scale, m in specs
     ]
@@ -96,6 +101,10 @@ def test_lora_forms_equal_the_per_row_formula(rows: list[int | None], chunked: b
                     expected[i, start : start + w] = scale * (x[i] @ a.t()) @ b.t()
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
+        if width % 2 == 0:  # the output as its two column halves, [2, rows, width / 2]
+            halves = torch.zeros(2, len(rows), width // 2)
+            batch.add_halves_(halves, site, x)
+            torch.testing.assert_close(torch.cat([halves[0], halves[1]], dim=1), expected, rtol=1e-5, atol=1e-5)
     assert LoraStacks(list(layout), torch.float32, torch.device("cpu")).batch([None, None]) is None
 
 

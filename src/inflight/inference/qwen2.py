@@ -264,19 +264,28 @@ def add_linear(x: Tensor, a: Tensor, weight: Tensor, bias: Tensor | None) -> Ten
 _SPLIT_GATE_UP_MAX_ROWS = 256
 
 
-def gate_up_linear(x: Tensor, gate_up: Tensor) -> tuple[Tensor, Tensor]:
-    """(x W_gate^T, x W_up^T) for x [n, hidden] and the stacked gate_up [2 * inter, hidden]."""
+def gate_up_linear(
+    x: Tensor, gate_up: Tensor, lora: LoraBatch | None = None, site: str = ""
+) -> tuple[Tensor, Tensor]:
+    """(x W_gate^T, x W_up^T) for x [n, hidden] and the stacked gate_up [2 * inter, hidden], plus the LoRA
+    of `lora` at `site` when given (accumulated into either layout of the output, no copy)."""
     n = x.shape[0]
     if n > _SPLIT_GATE_UP_MAX_ROWS or torch.get_num_threads() < 2:
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        stacked = F.linear(x, gate_up)
+        if lora is not None:
+            lora.add_(stacked, site, x)
+        gate, up = stacked.chunk(2, dim=-1)
         return gate, up
     out = torch.bmm(x.expand(2, n, x.shape[1]), gate_up.view(2, -1, x.shape[1]).transpose(1, 2))
+    if lora is not None:
+        lora.add_halves_(out, site, x)
     return out[0], out[1]
 
 
 class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
     """Prefill and decode over cache rows; `weights` is replaced wholesale by `install`. LoRA adapters run
-    in the masked-dense form of `adapters.py`, over the fused matmuls (q/k/v, gate/up) as they are."""
+    in the forms of `adapters.py`, over the fused matmuls (q/k/v, gate/up) laid out as the base computes
+    them (gate/up as its two halves, one per thread, up to `_SPLIT_GATE_UP_MAX_ROWS` rows)."""
 
     name = "fast"
     resumes_cached_prefix = True
@@ -536,12 +545,7 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
             if lora is not None:
                 lora.add_(x, f"{i}.o", attended)
             normed = rms_norm(x, lw.post_norm, eps)
-            if lora is None:
-                gate, up = gate_up_linear(normed, lw.gate_up)
-            else:  # one contiguous output for the LoRA to accumulate into (no split matmul, no temporary)
-                gate_up = F.linear(normed, lw.gate_up)
-                lora.add_(gate_up, f"{i}.gate_up", normed)
-                gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = gate_up_linear(normed, lw.gate_up, lora, f"{i}.gate_up")
             # In place into the gate half: no new activation buffers.
             activated = F.silu(gate, inplace=True).mul_(up)
             x = add_linear(x, activated, lw.down, None)
