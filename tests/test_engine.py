@@ -113,14 +113,15 @@ def test_gate_up_linear_equals_the_stacked_matmul(rows: int, threads: int, adapt
     lora = None
     if adapters:
         layout = {"gate_up": [("gate", 0, 24), ("up", 24, 24)]}
-        fused = [
-            FusedAdapter.build(
-                {p: (torch.randn(4, 16, generator=generator), torch.randn(24, 4, generator=generator))
-                 for p in ("gate", "up")},
-                scale=0.5, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
-            )  # fmt: skip
-            for _ in range(adapters)
-        ]
+
+        def modules() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+            return {
+                part: (torch.randn(4, 16, generator=generator), torch.randn(24, 4, generator=generator))
+                for part in ("gate", "up")
+            }
+
+        cpu = torch.device("cpu")
+        fused = [FusedAdapter.build(modules(), 0.5, layout, torch.float32, cpu) for _ in range(adapters)]
         row_adapters = [fused[i * adapters // rows] for i in range(rows)]
         lora = LoraStacks(list(layout), torch.float32, torch.device("cpu")).batch(row_adapters)
         assert lora is not None

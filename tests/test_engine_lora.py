@@ -104,7 +104,8 @@ def test_lora_forms_equal_the_per_row_formula(rows: list[int | None], chunked: b
         if width % 2 == 0:  # the output as its two column halves, [2, rows, width / 2]
             halves = torch.zeros(2, len(rows), width // 2)
             batch.add_halves_(halves, site, x)
-            torch.testing.assert_close(torch.cat([halves[0], halves[1]], dim=1), expected, rtol=1e-5, atol=1e-5)
+            joined = torch.cat([halves[0], halves[1]], dim=1)
+            torch.testing.assert_close(joined, expected, rtol=1e-5, atol=1e-5)
     assert LoraStacks(list(layout), torch.float32, torch.device("cpu")).batch([None, None]) is None
 
 
