@@ -19,8 +19,9 @@ n), the chunked form skips the mask and the other slots' FLOPs: x viewed as [S, 
 (one adapter: mm/addmm). 8 x 8 rows, same sites, 1 thread: 25 vs 97 (qkv, rank 24 after fusing), 40 vs 243
 (gate/up), 25 vs 74 (down); it lifted `inflight bench engine`'s ratio_multi_lora_batched from ~2.7 to ~3.1.
 Where the runner computes an output as its two column halves (gate/up, one matmul per thread), the LoRA
-accumulates into the halves with B^T split alike (`add_halves_`) rather than forcing one single-threaded
-matmul: on the EPYC Zen 4, 64 rows of gate/up with 8 adapters took 150 us against 261.
+accumulates into the halves with B^T split alike (`add_halves_`) rather than forcing one [rows, out]
+matmul, which MKL spreads over two threads less well: on the EPYC Zen 4, 64 rows of gate/up with 8
+adapters took 150 us against 261.
 """
 
 from __future__ import annotations
