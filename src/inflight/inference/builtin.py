@@ -455,40 +455,45 @@ class BuiltinEngine:
         num_old = len(self._running) - num_new
         old = self._running[:num_old]
         adapters = [self._adapter_weights(row) for row in range(len(self._running))]
-        rows: list[Tensor] = []  # [V] logits per row, in row order
+        # Logits [k, V] of consecutive rows, in row order: the decode's as they come (a step without
+        # newcomers samples from them uncopied), then the newcomers'.
+        blocks: list[Tensor] = []
         if old:
             tokens = [s.token_ids[-1] for s in old]
             positions = [s.num_cached for s in old]
-            rows.extend(self._runner.decode(tokens, positions, adapters[:num_old]))
+            blocks.append(self._runner.decode(tokens, positions, adapters[:num_old]))
             for s in old:
                 s.num_cached += 1
         failed: list[tuple[int, str]] = []
         if num_new:
             try:
-                rows.extend(self._prefill(num_old, len(self._running), adapters))
+                blocks.append(torch.stack(self._prefill(num_old, len(self._running), adapters)))
             except Exception as exc:  # fault boundary: retried one by one, so only its cause fails
                 if num_new == 1:
                     failed.append((num_old, _describe(exc)))
-                    rows.append(torch.empty(0))  # a placeholder, removed with its row below
                 else:
                     for row in range(num_old, len(self._running)):
                         try:
-                            rows.extend(self._prefill(row, row + 1, adapters))
+                            blocks.append(torch.stack(self._prefill(row, row + 1, adapters)))
                         except Exception as one:
                             failed.append((row, _describe(one)))
-                            rows.append(torch.empty(0))
         finished = []
-        for row, error in reversed(failed):  # highest first: the moved last row is never a failed one
-            log.warning("request %s failed in prefill: %s", self._running[row].request.request_id, error)
-            last = len(self._running) - 1
-            rows[row] = rows[last]
-            rows.pop()
-            finished.append(self._free_row(row, "abort", error=error))
-        with self._lock:
-            self._counters.prefill_failures += len(failed)
+        if failed:  # one [V] row each, a placeholder for a failed one, removed with its row below
+            present, failed_rows = iter(torch.cat(blocks) if blocks else ()), {row for row, _ in failed}
+            rows = [torch.empty(0) if r in failed_rows else next(present) for r in range(len(self._running))]
+            for row, error in reversed(failed):  # highest first: the moved last row is never a failed one
+                log.warning("request %s failed in prefill: %s", self._running[row].request.request_id, error)
+                last = len(self._running) - 1
+                rows[row] = rows[last]
+                rows.pop()
+                finished.append(self._free_row(row, "abort", error=error))
+            blocks = [torch.stack(rows)] if rows else []
+            with self._lock:
+                self._counters.prefill_failures += len(failed)
         if not self._running:
             return torch.empty(0), torch.empty(0), finished
-        logits, params = torch.stack(rows), [s.request.params for s in self._running]
+        logits = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        params = [s.request.params for s in self._running]
         token_ids, logprobs = sample(logits, params, [s.generator for s in self._running], self._generator)
         self._record_topk(logits, params)
         return token_ids, logprobs, finished
