@@ -35,6 +35,28 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path_factory.getbasetemp() / "inflight-cache"))
 
 
+@pytest.fixture
+def close_sdk_sessions() -> Iterator[None]:
+    """Close the `tinker` SDK clients a test opened and left open, at its end, while its server still runs.
+
+    The cookbook's recipes (run unmodified, in-process) never close their ServiceClient, as a script that
+    exits right after need not. Left open, a client's session heartbeats fail once the server is gone,
+    until the interpreter exits, and print after pytest's summary. Found by their type: the recipes keep
+    no handle to them."""
+    import gc
+
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    def holders() -> list[InternalClientHolder]:
+        return [o for o in gc.get_objects() if isinstance(o, InternalClientHolder)]
+
+    before = {id(holder) for holder in holders()}
+    yield
+    for holder in holders():
+        if id(holder) not in before:
+            holder.close()  # idempotent: stops the heartbeats and the connection pools
+
+
 @contextlib.contextmanager
 def sdk_server(config: ServiceConfig, **app_options: Any) -> Iterator[BackgroundServer]:
     """`inflight serve`'s app in-process on a free loopback port, with the environment the `tinker` SDK

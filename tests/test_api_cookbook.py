@@ -25,7 +25,8 @@ from inflight.api.db import FutureRow
 from inflight.api.schemas import LoadWeightsRequest
 from inflight.api.service import ServiceConfig, ServiceState
 
-pytestmark = pytest.mark.slow
+# The recipes leave their SDK clients open: closed after each test, while the server runs.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("close_sdk_sessions")]
 
 BASE = (
     "meta-llama/Llama-3.2-1B"  # in the cookbook's registry: the role_colon renderer works with any tokenizer
