@@ -322,6 +322,7 @@ def measure_api(
                     timeout=120
                 )
                 result.update(measure_checkpoint_round_trip(adapter, url, model_dir, round_trips))
+            client.close("success").result(timeout=60)  # its sessions' heartbeats stop with the server
     except Exception as exc:  # the service is optional here: report why instead of failing the benchmark
         result["api_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return result
