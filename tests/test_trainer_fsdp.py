@@ -13,7 +13,9 @@ run for the resumed one.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +141,12 @@ def _rank_main(rank: int, port: int, model_dirs: dict[bool, str], out_dir: str) 
         checks["different_weights"] = str(e)
     (out / f"checks.rank{rank}.json").write_text(json.dumps(checks))
     dist.destroy_process_group()
+    # Everything the parent checks is on disk. Skip the interpreter's teardown, which is not under test:
+    # in one full run rank 0 aborted with "terminate called without an active exception" (a C++ thread
+    # left joinable), where is not known; the file passed alone and in other full runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
