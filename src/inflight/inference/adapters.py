@@ -145,8 +145,9 @@ _TRANSPOSED_A_MAX_RANK = 8
 @dataclass(frozen=True)
 class _Stack:
     """The active adapters of one forward, per site: A [S*R, in], B^T [S*R, out], and A as [S, in, R] for
-    the chunked form (a transposed view up to `_TRANSPOSED_A_MAX_RANK`; None: no adapter has the site). `halves`: B^T split by output column halves,
-    [2, S*R, out/2], built for a site the first time a forward asks (`LoraBatch.add_halves_`)."""
+    the chunked form (a transposed view up to `_TRANSPOSED_A_MAX_RANK`; None: no adapter has the site).
+    `halves`: B^T split by output column halves, [2, S*R, out/2], built for a site the first time a
+    forward asks (`LoraBatch.add_halves_`)."""
 
     num_slots: int
     sites: dict[str, tuple[Tensor, Tensor, Tensor] | None]
