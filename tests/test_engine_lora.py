@@ -213,6 +213,54 @@ def test_a_waiting_request_keeps_its_adapter_after_removal(model) -> None:
     assert done[waiting.request_id].versions == [3] * 3
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_an_adapter_with_non_finite_weights_is_refused(model, poison: float) -> None:
+    """Served, it would poison every row of its forwards (the masked-dense form multiplies every slot's B)."""
+    engine = engine_for(model)
+    bad = make_adapter(model, "bad", rank=4, seed=1)
+    key = sorted(k for k in bad.tensors if k.endswith("lora_B.weight"))[3]
+    bad.tensors[key][2, 1] = poison
+    with pytest.raises(ValueError, match=r"adapter 'bad': module .* lora_B holds NaN or infinite values"):
+        engine.set_adapter(bad)
+    assert engine.adapters() == {}
+
+
+@pytest.mark.parametrize("runner", ["fast", "hf"])
+def test_a_diverged_adapter_fails_only_its_own_requests(model, runner: str) -> None:
+    """An adapter so large that its logits overflow (an optimizer step at lr 1e30) fails the requests that
+    sample from it with an error that names it; the base and another adapter's rows of the same steps
+    finish as if alone, and the engine serves on (also in the rows the failed ones leave)."""
+    engine = engine_for(model, runner=runner)
+    bad = make_adapter(model, "bad", rank=4, seed=1)
+    bad.tensors = {name: t * 1e30 if name.endswith("lora_B.weight") else t for name, t in bad.tensors.items()}
+    engine.set_adapter(bad)
+    engine.set_adapter(make_adapter(model, "good", rank=4, seed=2))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    sampled = SamplingParams(max_tokens=6, seed=3)
+    names = [None, "bad", "good", "bad", None]
+    requests = [
+        SampleRequest(p, greedy if i % 2 else sampled, adapter=name)
+        for i, (p, name) in enumerate(zip(prompts([5, 7, 4, 6, 3]), names, strict=True))
+    ]
+    alone = {r.request_id: engine_for(model, runner=runner) for r in requests if r.adapter != "bad"}
+    for single in alone.values():
+        single.set_adapter(make_adapter(model, "good", rank=4, seed=2))
+    done = {c.request_id: c for c in engine.generate(requests)}
+    for request in requests:
+        out = done[request.request_id]
+        if request.adapter == "bad":
+            assert out.finish_reason == "abort" and out.token_ids == []
+            assert out.error is not None and "not finite" in out.error and "adapter 'bad'" in out.error
+        else:
+            [reference] = alone[request.request_id].generate([request])
+            assert out.error is None and out.finish_reason == "length"
+            assert out.token_ids == reference.token_ids
+            assert max(abs(a - b) for a, b in zip(out.logprobs, reference.logprobs, strict=True)) < 1e-5
+    again = [SampleRequest(p, greedy, adapter="good") for p in prompts([5, 6, 7, 8, 9])]
+    for out in engine.generate(again):  # every row, those the failed requests held included
+        assert out.error is None and len(out.token_ids) == 6
+
+
 def test_a_model_with_other_layer_names_refuses_their_adapters_clearly() -> None:
     config = transformers.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, intermediate_size=128, num_attention_heads=4

@@ -91,10 +91,17 @@ def parse_adapter(update: AdapterUpdate, shapes: ModuleShapes) -> AdapterModules
                 f"{tuple(b.shape)}; expected ({update.rank}, {fan_in}) and ({fan_out}, {update.rank}) "
                 f"for rank {update.rank}"
             )
-        modules[module] = (
-            a.detach().to("cpu", torch.float32, copy=True),
-            b.detach().to("cpu", torch.float32, copy=True),
-        )
+        a, b = (t.detach().to("cpu", torch.float32, copy=True) for t in (a, b))
+        # Refused, not served: in the masked-dense form every row multiplies each slot's B (its own
+        # adapter's by 1, the others' by 0), and 0 x NaN is NaN, so one such adapter would poison the
+        # rows of every adapter in its forwards.
+        for which, t in (("lora_A", a), ("lora_B", b)):
+            if not torch.isfinite(t).all():
+                raise ValueError(
+                    f"adapter {name!r}: module {module!r}'s {which} holds NaN or infinite values (its "
+                    "training diverged): register an earlier checkpoint, and train with a lower learning rate"
+                )
+        modules[module] = (a, b)
     return modules
 
 

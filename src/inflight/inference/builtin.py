@@ -610,25 +610,45 @@ class BuiltinEngine:
             )
 
     def _update(self, token_ids: Tensor, logprobs: Tensor) -> list[Completion]:
-        finishing: list[tuple[int, FinishReason]] = []
+        finishing: list[tuple[int, FinishReason, str | None]] = []
         stale = 0
         # The step's one copy to the host: tokens (exact in float64) and logprobs together.
         host_tokens, host_logprobs = torch.stack((token_ids.double(), logprobs.double())).tolist()
         rows = zip(self._running, host_tokens, host_logprobs, strict=True)
         for row, (seq, token, logprob) in enumerate(rows):
             version = self._weights_version(seq)
+            if math.isnan(logprob):  # a NaN or infinite logit in the row (see `_non_finite`): no token
+                finishing.append((row, "abort", self._non_finite(seq, version)))
+                continue
             seq.token_ids.append(int(token))
             seq.logprobs.append(logprob)
             seq.versions.append(version)
             stale += seq.kv_version < version
             reason = self._stop_reason(seq)
             if reason is not None:
-                finishing.append((row, reason))
+                finishing.append((row, reason, None))
         with self._lock:
             self._counters.tokens_generated += len(self._running)
             self._counters.tokens_on_stale_kv += stale
         # Highest row first: the last active row, moved into a freed one, is then never finishing itself.
-        return [self._free_row(row, reason) for row, reason in reversed(finishing)]
+        finished = []
+        for row, reason, error in reversed(finishing):
+            if error is not None:  # non-finite: no NaN may stay in the row for its next occupant
+                self._runner.clear_row(row)
+            finished.append(self._free_row(row, reason, error))
+        return finished
+
+    def _non_finite(self, seq: _Sequence, version: int) -> str:
+        """The error of a row whose logits hold a NaN or an infinity. Every sampled logprob is finite
+        otherwise, and any such logit makes it NaN (softmax and logsumexp propagate it), so the check
+        costs nothing on the device. Only this request fails: other rows, other adapters and the engine
+        go on."""
+        log.warning("request %s: non-finite logits", seq.request.request_id)
+        weights = "the base weights" if seq.adapter is None else f"adapter {seq.adapter.name!r}"
+        return (
+            f"the logits are not finite (NaN or infinity) under {weights} at version {version}: those "
+            "weights have diverged; sample from an earlier checkpoint, and train with a lower learning rate"
+        )
 
     def _stop_reason(self, seq: _Sequence) -> FinishReason | None:
         params = seq.request.params

@@ -263,6 +263,11 @@ class HFRunner(ModelRunner[dict[str, Tensor], LoraAdapter]):
             kc[dst, :, :length] = kc[src, :, :length]
             vc[dst, :, :length] = vc[src, :, :length]
 
+    def clear_row(self, row: int) -> None:
+        for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
+            kc[row].zero_()
+            vc[row].zero_()
+
     def full_logits(self, token_ids: list[int], adapter: LoraAdapter | None = None) -> Tensor:
         ids = torch.tensor([token_ids], device=self.device)
         if self._router is None:

@@ -518,6 +518,11 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
             kc[dst, :length] = kc[src, :length]
             vc[dst, :length] = vc[src, :length]
 
+    def clear_row(self, row: int) -> None:
+        for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
+            kc[row].zero_()
+            vc[row].zero_()
+
     def _layers(
         self, w: Weights, ids: Tensor, cos: Tensor, sin: Tensor, attend: Attend, lora: LoraBatch | None
     ) -> Tensor:

@@ -84,6 +84,11 @@ class ModelRunner(ABC, Generic[W, A]):
         """Copy the first `length` cached positions of row `src` into row `dst`."""
 
     @abstractmethod
+    def clear_row(self, row: int) -> None:
+        """Zero every cached position of `row`. Attention hides a row's stale positions with an additive
+        -inf, which a NaN left there by weights that diverged would turn into NaN for the next occupant."""
+
+    @abstractmethod
     def full_logits(self, token_ids: list[int], adapter: A | None = None) -> Tensor:
         """Logits [T, V] (float32) at every position of one sequence; the cache is untouched."""
 

@@ -8,6 +8,7 @@ Everything is float32 on the logits' device; the caller's generators must live t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -99,23 +100,73 @@ def _sample(
             index = torch.tensor(rows, device=device)
             scaled = scaled.index_copy(0, index, truncate(scaled[index], top_k, top_p))
     probs = torch.softmax(scaled, dim=-1)
-
     # Inverse-CDF sampling: one uniform per row (n draws, not n * V as an exponential race would need).
-    # float64 keeps each token's bin as wide as its probability even next to a cumulative mass near 1.
-    cdf = probs.double().cumsum(dim=-1)
     uniform = torch.rand(len(params), 1, generator=default_generator, dtype=torch.float64, device=device)
     for row, gen in enumerate(generators):
         if gen is not None:
             uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=device)
-    # 1 - u lies in (0, 1]: the target mass is > 0, so a zero-probability token is never the first bin hit.
-    target = (1.0 - uniform) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_max_(cdf.shape[-1] - 1)
+    tokens = inverse_cdf(probs, uniform)
     if greedy is not None and 0 in temperatures:  # a mixed batch with greedy rows
         # Their `scaled` rows are the raw logits, never truncated: the logprob below is the raw one.
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     # log of the probability (not log_softmax): one pass fewer over the vocabulary, and as exact for any
     # token that can be drawn (probabilities below float32's normal range are never sampled).
     return tokens, probs.gather(1, tokens[:, None]).squeeze(1).log()
+
+
+# Above this many probabilities (rows x vocabulary) a draw searches block sums first (`_blocked_inverse_cdf`):
+# the full scan's float64 copy and sequential cumsum cost ~1 ns a probability on a CPU core, several where
+# the copy outgrows the caches (1 x 151,936: ~1.0 ms against 0.08), where a summing pass is vectorised. At and
+# below it the blocked form's dozen small ops cost about what they save (64 x 2,048: 87 against 117 us with
+# two threads, 148 against 108 with one). Measured in docs/benchmarks.md (twenty-second session).
+_FULL_SCAN_MAX_ELEMENTS = 1 << 17
+
+
+def inverse_cdf(probs: Tensor, uniform: Tensor) -> Tensor:
+    """Per row of probs [n, V] (float32, >= 0, not necessarily normalised), the first token whose
+    cumulative mass reaches (1 - u) times the row's total, for uniform u [n, 1] float64 in [0, 1): a draw
+    from the row's distribution. Cumulative sums are float64, so each token's bin is as wide as its
+    probability even next to a cumulative mass near 1; 1 - u lies in (0, 1], so the target mass is > 0
+    and a zero-probability token is never drawn. Returns token ids [n] (long)."""
+    if probs.numel() > _FULL_SCAN_MAX_ELEMENTS:
+        return _blocked_inverse_cdf(probs, uniform)
+    cdf = probs.double().cumsum(dim=-1)
+    target = (1.0 - uniform) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_max_(cdf.shape[-1] - 1)
+
+
+def _blocked_inverse_cdf(probs: Tensor, uniform: Tensor) -> Tensor:
+    """`inverse_cdf` in two searches: over the cumulative sums of blocks of B tokens (B ~ sqrt(V)), then
+    within the block found. One pass sums every probability; the scans cover V / B block sums and B
+    probabilities per row, instead of V (Qwen's 151,936-token vocabulary: ~1,200 + 128)."""
+    n, vocab = probs.shape
+    size = block_size(vocab)
+    if vocab % size:  # zero mass at the end: never drawn (below)
+        probs = torch.nn.functional.pad(probs, (0, size - vocab % size))
+    blocks = probs.view(n, -1, size)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)  # [n, V / B]
+    target = (1.0 - uniform) * block_cdf[:, -1:]
+    # The first block whose cumulative mass reaches the target: the mass before it is below the target,
+    # so the block's own mass, and the target's remainder within it, are > 0.
+    block = torch.searchsorted(block_cdf, target).clamp_max_(block_cdf.shape[-1] - 1)  # [n, 1]
+    before = block_cdf.gather(1, (block - 1).clamp_min_(0)).masked_fill_(block == 0, 0.0)
+    inner = blocks.gather(1, block[:, :, None].expand(n, 1, size)).squeeze(1).double().cumsum_(dim=-1)
+    # The block's own sum may round below the block total the remainder came from: capped at it, the
+    # search lands on the block's last token of nonzero probability, never on a zero one after it.
+    within = torch.searchsorted(inner, torch.minimum(target - before, inner[:, -1:])).clamp_max_(size - 1)
+    # The clamps only act on NaN probabilities (non-finite logits), whose row the engine fails: an id in
+    # range keeps the batch's gathers valid until then.
+    return (block * size + within).squeeze(1).clamp_max_(vocab - 1)
+
+
+def block_size(vocab: int) -> int:
+    """The blocks' size for `_blocked_inverse_cdf`: the power of two at or above sqrt(vocab), halved while
+    it does not divide vocab (no padding copy) down to 16; if none from there divides it, the first one."""
+    first = 1 << max(4, math.ceil(math.log2(math.sqrt(vocab))))
+    size = first
+    while vocab % size and size > 16:
+        size //= 2
+    return size if vocab % size == 0 else first
 
 
 def truncate(scaled: Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> Tensor:

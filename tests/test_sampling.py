@@ -1,0 +1,86 @@
+"""Inverse-CDF sampling (`inference/sampling.py`): the blocked search against a full float64 scan written
+here, zero-probability tokens never drawn, draws in proportion to the probabilities, and the blocks' size."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from inflight.inference.sampling import _blocked_inverse_cdf, block_size, inverse_cdf
+
+
+def full_scan(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The first token whose float64 cumulative mass reaches (1 - u) x the row's total."""
+    cdf = probs.double().cumsum(-1)
+    reached = cdf >= (1.0 - uniform) * cdf[:, -1:]
+    return reached.int().argmax(-1)  # the first True
+
+
+def distributions(vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """Rows of different shapes: dense, peaked, top-k truncated (zeros), one token (first, last, inside)."""
+    dense = torch.softmax(torch.randn(2, vocab, generator=generator) * 3, -1)
+    peaked = torch.softmax(torch.randn(1, vocab, generator=generator) * 12, -1)
+    top_k = dense[:1].clone()
+    top_k[top_k < top_k.topk(7).values[:, -1:]] = 0
+    single = torch.zeros(3, vocab)
+    single[0, 0] = single[1, vocab - 1] = single[2, vocab // 3] = 1.0
+    return torch.cat([dense, peaked, top_k, single])
+
+
+@pytest.mark.parametrize("vocab", [2048, 1003, 151936])
+def test_blocked_search_equals_the_full_scan(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    probs = distributions(vocab, generator)
+    n = probs.shape[0]
+    edges = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    for uniform in [torch.rand(n, 1, generator=generator, dtype=torch.float64) for _ in range(20)] + [
+        edge.expand(n, 1).clone() for edge in edges
+    ]:
+        assert torch.equal(_blocked_inverse_cdf(probs, uniform), full_scan(probs, uniform))
+        assert torch.equal(inverse_cdf(probs, uniform), full_scan(probs, uniform))
+
+
+@pytest.mark.parametrize("vocab", [64, 2048, 1003])
+def test_zero_probability_tokens_are_never_drawn(vocab: int) -> None:
+    """Only a few tokens carry mass, some at a block's edges; uniforms at both ends of [0, 1)."""
+    generator = torch.Generator().manual_seed(1)
+    rows = 512
+    probs = torch.zeros(rows, vocab)
+    for row in range(rows):
+        kept = torch.randperm(vocab, generator=generator)[: 1 + row % 5]
+        probs[row, kept] = torch.rand(len(kept), generator=generator) + 1e-30
+    probs[0, :] = 0
+    probs[0, 15] = probs[0, 16] = 0.5  # the last of a block of 16 and the first of the next
+    uniform = torch.rand(rows, 1, generator=generator, dtype=torch.float64)
+    uniform[::3] = 0.0
+    uniform[1::3] = 1.0 - 2.0**-53
+    for draw in (_blocked_inverse_cdf, inverse_cdf):
+        tokens = draw(probs, uniform)
+        assert (probs.gather(1, tokens[:, None]) > 0).all()
+
+
+def test_draws_follow_the_probabilities() -> None:
+    """40,000 draws (the blocked search: 40,000 rows of one distribution) against each token's share."""
+    vocab, draws = 4096, 40_000
+    probs = torch.zeros(vocab)
+    probs[[3, 64, 65, 2000, 4095]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    probs[100:200] = 1e-9  # mass too small to show up, present in every block sum
+    generator = torch.Generator().manual_seed(2)
+    uniform = torch.rand(draws, 1, generator=generator, dtype=torch.float64)
+    counts = torch.bincount(inverse_cdf(probs.expand(draws, vocab), uniform), minlength=vocab).double()
+    expected = probs.double() / probs.double().sum() * draws
+    heavy = probs > 0.01
+    sigma = (expected[heavy] * (1 - expected[heavy] / draws)).sqrt()
+    assert ((counts[heavy] - expected[heavy]).abs() < 5 * sigma).all(), (counts[heavy], expected[heavy])
+    assert counts[~heavy].sum() <= 5
+
+
+@pytest.mark.parametrize(
+    ("vocab", "size"), [(2048, 64), (151936, 128), (128256, 256), (32000, 256), (50257, 256), (50, 16)]
+)
+def test_block_size_divides_the_vocabulary_where_it_can(vocab: int, size: int) -> None:
+    assert block_size(vocab) == size
+    assert size >= 16 and size & (size - 1) == 0  # a power of two, at least 16
+    assert size <= 2 ** math.ceil(math.log2(math.sqrt(vocab))) or size == 16
