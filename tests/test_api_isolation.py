@@ -360,3 +360,38 @@ def test_a_round_that_dies_leaves_no_future_running(live, monkeypatch) -> None:
     assert lost and all(f.error == ORPHANED_ERROR and f.error_category == "server" for f in lost)
     stats = worker.stats()
     assert stats["loop_errors"] == 1 and stats["failed_orphaned"] == len(lost), stats
+
+
+def test_a_tenants_diverged_adapter_fails_its_own_samples_and_no_one_elses(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The QA pass's poison, through the unmodified SDK: tenant A steps at lr 1e30 and samples 16 sequences
+    from the result; that sample fails naming the non-finite logits, while tenant B's samples of the base
+    model (before, in the rows A's left, and after) complete, and A's own base samples too."""
+    import tinker
+    from tinker import types
+
+    tokens = list(range(5, 30))
+    prompt = types.ModelInput.from_ints(tokens[:5])
+    params = types.SamplingParams(max_tokens=4, seed=1)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    a, b = (tinker.ServiceClient(base_url=server.url, api_key=f"tml-{tenant}") for tenant in "ab")
+    try:
+        training = a.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+        )
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e30)).result()
+        diverged = training.save_weights_and_get_sampling_client("diverged")
+        base = b.create_sampling_client(base_model=BASE).result()
+        reference = base.sample(prompt, 16, params).result().sequences
+        with pytest.raises(Exception, match="not finite"):
+            diverged.sample(prompt, 16, params).result(timeout=60)
+        for client in (base, a.create_sampling_client(base_model=BASE).result()):
+            again = client.sample(prompt, 16, params).result(timeout=60).sequences
+            assert [s.tokens for s in again] == [s.tokens for s in reference]
+        assert httpx.get(f"{server.url}/api/v1/healthz").status_code == 200
+    finally:
+        for client in (a, b):
+            client.close("success").result()

@@ -396,6 +396,32 @@ def test_optim_step_equals_torch_adamw(engine):
         engine.optim_step(OptimStep("nope", learning_rate=0.1))
 
 
+def test_a_gradient_that_is_not_finite_is_discarded_and_its_step_refused(tiny_model_dir):
+    """Loss weights of 3e38 overflow the loss and its gradient: optim_step refuses with a UserError naming
+    it, leaves weights, moments and the step count as they were and discards the gradient, so the next
+    forward_backward and optim_step go on exactly as on an engine that never saw the overflow."""
+    engines = [_engine(tiny_model_dir), _engine(tiny_model_dir)]
+    tokens = _tokens(12, 5)
+    step = OptimStep("m", learning_rate=0.01)
+    for engine in engines:
+        engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
+        _one_step(engine, "m")
+    hit, clean = engines
+    before = hit.adapter_weights("m")
+    huge = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [3e38] * 11})
+    out = _ok(hit.forward_backward([ForwardBackwardJob("m", [huge], "cross_entropy")])[0])
+    assert not math.isfinite(out.metrics["loss:sum"])
+    with pytest.raises(UserError, match=r"optim_step for model 'm': the gradient .* is not finite"):
+        hit.optim_step(step)
+    assert all(torch.equal(value, before[key]) for key, value in hit.adapter_weights("m").items())
+    assert all(torch.count_nonzero(g) == 0 for g in hit.adapter_gradients("m").values())
+    for engine in engines:
+        _ok(engine.forward_backward([ForwardBackwardJob("m", [_datum(tokens)], "cross_entropy")])[0])
+        metrics = engine.optim_step(step)
+        assert math.isfinite(metrics["grad_norm:mean"])
+    assert _same_weights(hit, "m", clean, "m")
+
+
 def test_bad_jobs_fail_alone_with_user_errors(engine):
     engine.create_adapter("m", "tiny", LoraSpec(rank=4, seed=0))
     good = _datum(_tokens(8, 0))

@@ -97,7 +97,10 @@ class Sampler:
         owner = self._adapters.get(update.name)
         if owner is not None and owner != base_model:
             raise UserError(f"sampler weights {update.name!r} already belong to base model {owner!r}")
-        self._loop(base_model).set_adapter(update)
+        try:
+            self._loop(base_model).set_adapter(update)
+        except ValueError as exc:  # the engine refused the weights themselves (e.g. NaN): the user's to fix
+            raise UserError(f"sampler weights {update.name!r}: {exc}") from exc
         self._adapters[update.name] = base_model
 
     def remove_adapter(self, key: str) -> None:

@@ -4,6 +4,7 @@ adapter's. Callers own the optimizer; this owns what a step does (set, clip, ste
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -37,6 +38,26 @@ def check_optim_step(step: OptimStep) -> None:
         problems.append("hyper-parameters must be finite")
     if problems:
         raise UserError(f"optim_step for model {step.model_id!r}: {'; '.join(problems)}")
+
+
+def check_finite_gradient(params: Sequence[Tensor], model_id: str) -> None:
+    """A UserError when the gradient accumulated in `params` holds a NaN or an infinity, after zeroing it:
+    a step would write NaN into every weight (and AdamW's moments) for good, and the next forward_backward
+    would accumulate onto it again. Weights, moments and the step count stay as they were. Reads the norm
+    (waits for the device)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    norm = float(torch.nn.utils.get_total_norm(grads))
+    if math.isfinite(norm):
+        return
+    for grad in grads:
+        grad.zero_()
+    raise UserError(
+        f"optim_step for model {model_id!r}: the gradient accumulated since the last step is not finite "
+        f"(norm {norm}), so no step was taken and it was discarded: a loss of the forward_backward calls "
+        "before it overflowed (loss weights or advantages too large?); send them again with smaller values"
+    )
 
 
 def adamw_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], step: OptimStep) -> Tensor:
