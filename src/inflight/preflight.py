@@ -12,6 +12,7 @@ import contextlib
 import errno
 import inspect
 import json
+import logging
 import socket
 import tempfile
 from collections.abc import Callable
@@ -87,10 +88,32 @@ def serve_on(
 
     config = uvicorn.Config(app, host=host, port=port, **uvicorn_config)
     server = (make_server or uvicorn.Server)(config)
+    _announce_when_serving(server, _url(host, sock.getsockname()[1]))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn.run's behaviour: Ctrl-C is a clean stop
         server.run(sockets=[sock])
     if not server.started:
         raise SystemExit(3)  # uvicorn's code for a failed startup; its log above says why
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _announce_when_serving(server: uvicorn.Server, url: str) -> None:
+    """Log "listening on URL" once `server` has started serving (the app's startup done).
+
+    uvicorn logs its own "running on" line only for a socket it binds itself: given sockets, it assumes a
+    parent process announced them. Without this line a `--port 0` server never says which port it got.
+    `url` carries the bound port, not the one asked for."""
+    startup = server.startup
+
+    async def startup_then_announce(sockets: list[socket.socket] | None = None) -> None:
+        await startup(sockets=sockets)
+        if server.started:  # not when the app's startup failed (uvicorn then exits)
+            logging.getLogger("uvicorn.error").info("listening on %s (Ctrl-C to stop)", url)
+
+    # The server may be a subclass (make_server): wrapping this instance's method keeps whatever it adds.
+    server.startup = startup_then_announce  # type: ignore[method-assign]
 
 
 def ensure_dir(path: str | Path, what: str) -> Path:
@@ -117,7 +140,8 @@ def check_output_file(path: str | Path, what: str) -> Path:
 
 def check_database(url: str, what: str = "--db", timeout_s: int = CONNECT_TIMEOUT_S) -> None:
     """Open the database at `url` and run one query: an unknown backend, a missing driver, an unwritable
-    SQLite path and an unreachable server all fail here. The password never appears in a message."""
+    SQLite path, a SQLite file that is not a database (or is corrupt) and an unreachable server all fail
+    here. The password never appears in a message."""
     from sqlalchemy import create_engine, make_url, text
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
     from sqlalchemy.pool import NullPool
@@ -146,11 +170,21 @@ def check_database(url: str, what: str = "--db", timeout_s: int = CONNECT_TIMEOU
             f"{what} {shown!r}: the driver for {parsed.drivername!r} is not installed ({_reason(e)}); "
             + _DB_HINT
         ) from None
+    # SQLite opens a file lazily: `SELECT 1` succeeds on any file, even one holding text. Reading the
+    # schema reads the file's header and first page, so a file that is not a database fails here.
+    probe = "SELECT count(*) FROM sqlite_master" if backend == "sqlite" else "SELECT 1"
     try:
         with engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
+            connection.execute(text(probe))
     except SQLAlchemyError as e:
-        reason = _reason(getattr(e, "orig", None) or e)
+        original = getattr(e, "orig", None)
+        reason = _reason(original or e)
+        if backend == "sqlite" and _damaged_sqlite(original):
+            raise UserError(
+                f"{what} {shown!r}: {parsed.database} is not a SQLite database, or is damaged ({reason}): "
+                "move it away (a new, empty database is then created in its place), or name another "
+                "database file"
+            ) from None
         fix = (
             "name a SQLite database file this user can read and write"
             if backend == "sqlite"
@@ -159,6 +193,14 @@ def check_database(url: str, what: str = "--db", timeout_s: int = CONNECT_TIMEOU
         raise UserError(f"{what} {shown!r}: cannot connect ({reason}): {fix}") from None
     finally:
         engine.dispose()
+
+
+def _damaged_sqlite(exc: BaseException | None) -> bool:
+    """Whether SQLite refused a file for its contents (not a database, or corrupt), not for access."""
+    import sqlite3
+
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.DatabaseError) and code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
 
 
 def check_model_dir(name_or_path: str) -> None:
@@ -174,6 +216,7 @@ def check_model_dir(name_or_path: str) -> None:
             f"build one with `inflight model tiny --out {local}`"
         )
     check_causal_lm(local)
+    check_weight_files(local)
 
 
 def check_causal_lm(local: Path) -> None:
@@ -193,6 +236,28 @@ def check_causal_lm(local: Path) -> None:
             "model: inflight trains and samples decoder LMs (Qwen2/2.5/3, Llama, Mistral, GPT-NeoX, any "
             "AutoModelForCausalLM type)"
         )
+
+
+def check_weight_files(local: Path) -> None:
+    """Every *.safetensors file of a local model directory has a whole, readable header that covers the
+    file: a truncated download or an interrupted save is named here, in one line, instead of failing as a
+    traceback from inside transformers once the weights load. Reads headers only (milliseconds)."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(local.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="numpy"):
+                pass
+        except SafetensorError as exc:
+            raise UserError(
+                f"model weights {str(file)!r} are incomplete or corrupt ({_reason(exc)}): download or "
+                f"build the model again (a tiny model: `inflight model tiny --out {local}`)"
+            ) from None
+        except OSError as exc:
+            raise UserError(
+                f"model weights {str(file)!r} cannot be read ({exc.strerror or _reason(exc)}): check the "
+                "file and its permissions"
+            ) from None
 
 
 def check_chat_template(name_or_path: str) -> None:

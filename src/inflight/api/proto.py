@@ -25,7 +25,7 @@ from inflight.api.job_types import (
     SampleOutput,
     TargetLogprobs,
 )
-from inflight.api.schemas import ForwardBackwardInput, TensorData
+from inflight.api.schemas import MAX_SEQ_ID, ForwardBackwardInput, TensorData
 from inflight.errors import UserError
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
@@ -38,6 +38,9 @@ _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_INT32: np.dtype("<i4"),
 }
 _INTEGER_INPUTS = frozenset({"target_tokens"})
+# A model's seq_id 0 is its create_model (futures.FIRST_SEQ_ID); the requests after it count from 1, as the
+# JSON schemas' seq_id (ge=1) says.
+_FIRST_PASS_SEQ_ID = 1
 
 
 class ProtoError(UserError, ValueError):
@@ -100,6 +103,11 @@ def _tensor_from_json(where: str, tensor: TensorData) -> pb.Tensor:
 
 def forward_backward_header(message: pb.ForwardBackwardRequest) -> ForwardBackwardHeader:
     check_model_id(message.model_id)
+    if not _FIRST_PASS_SEQ_ID <= message.seq_id <= MAX_SEQ_ID:
+        raise ProtoError(
+            f"seq_id {message.seq_id} is out of range: a model's requests count from {_FIRST_PASS_SEQ_ID} "
+            "(0 is its create_model); send the training client's next seq_id"
+        )
     return ForwardBackwardHeader(message.model_id, message.seq_id, message.forward_only)
 
 
@@ -153,6 +161,7 @@ def _datum(index: int, datum: pb.Datum, vocab_size: int) -> Datum:
                 f"{tokens.size} tokens; every loss input needs one value per input token (pre-shifted)"
             )
         if key in _INTEGER_INPUTS:
+            _check_whole(f"{where}.loss_fn_inputs[{key!r}]", values)
             _check_vocab(f"{where}.loss_fn_inputs[{key!r}]", values, vocab_size)
             inputs[key] = values.astype(np.int64).tolist()
         else:
@@ -230,6 +239,18 @@ def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
     if len(raw) % dtype.itemsize:
         raise ProtoError(f"{where} has {len(raw)} bytes, not a whole number of {dtype.name} values")
     return np.frombuffer(raw, dtype=dtype)
+
+
+def _check_whole(where: str, values: np.ndarray) -> None:
+    """Token ids sent in a float tensor must be whole numbers, as the JSON path requires: casting would
+    silently train on 1 for 1.5, and on a huge negative id for NaN."""
+    if values.dtype.kind != "f":
+        return
+    whole = np.isfinite(values) & (values == np.round(values))
+    if not whole.all():
+        i = int(np.flatnonzero(~whole)[0])
+        shown = "NaN" if np.isnan(values[i]) else str(values[i])
+        raise ProtoError(f"{where}[{i}] = {shown} is not an integer token id")
 
 
 def _check_vocab(where: str, tokens: np.ndarray, vocab_size: int) -> None:

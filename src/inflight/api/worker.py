@@ -39,8 +39,15 @@ from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
 from inflight.api.checkpoints import CheckpointStore
-from inflight.api.db import Database, ModelRow, SamplingSessionRow, SessionRow, utcnow
-from inflight.api.futures import ClaimedHeads, Future, FutureStateError, FutureStore, RequestType
+from inflight.api.db import Database, FutureRow, ModelRow, SamplingSessionRow, SessionRow, utcnow
+from inflight.api.futures import (
+    FIRST_SEQ_ID,
+    ClaimedHeads,
+    Future,
+    FutureStateError,
+    FutureStore,
+    RequestType,
+)
 from inflight.api.ids import CheckpointKind, checkpoint_path, new_sampling_session_id, parse_model_id
 from inflight.api.metrics import ServiceMetrics
 from inflight.api.proto import (
@@ -681,7 +688,20 @@ class EngineWorker:
             "failed": "failed to be created (see its create_model or load_weights error)",
             "unloaded": "was unloaded when its session finished",
         }
-        raise ModelUnavailableError(f"model {model_id!r} {reasons.get(status, 'has no live adapter')}")
+        message = f"model {model_id!r} {reasons.get(status, 'has no live adapter')}"
+        if status == "failed" and self._creation_category(model_id) == "user":
+            raise UserError(message)  # the client's own request (e.g. a LoRA config that trains nothing)
+        raise ModelUnavailableError(message)
+
+    def _creation_category(self, model_id: str) -> str | None:
+        """The error category of the request that created the model (seq_id 0: its create_model, or a
+        create-via-load): whose fault its failure was, and so every later request's failure on it."""
+        with self.db.read() as session:
+            return session.scalar(
+                select(FutureRow.error_category).where(
+                    FutureRow.model_id == model_id, FutureRow.seq_id == FIRST_SEQ_ID
+                )
+            )
 
     def _set_model_status(self, model_id: str, status: str) -> None:
         with self.db.write() as session:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from inflight.errors import UserError
@@ -53,6 +54,17 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except OSError as exc:
         raise _load_error(name, exc) from exc
+    except SafetensorError as exc:  # a truncated download or an interrupted save
+        # The commands' preflight names the file before anything loads; this covers what it does not see
+        # (a hub id's cached files, a file damaged since): the file when it is local, else the model.
+        if Path(name).is_dir():
+            from inflight.preflight import check_weight_files
+
+            check_weight_files(Path(name))
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"the weights of {name!r} are incomplete or corrupt ({reason}): download or build the model again"
+        ) from exc
     return model
 
 
