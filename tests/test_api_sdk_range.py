@@ -231,24 +231,26 @@ def test_json_bodies_are_checked_like_protobuf_ones(server: BackgroundServer) ->
     assert plain.status_code == 400 and "Content-Type" in plain.json()["detail"]
     missing = http.post("forward_backward", json=body(None))
     assert missing.status_code == 422 and ["body", "seq_id"] in [e["loc"] for e in missing.json()["detail"]]
+    # A body that fails validation but names its seq_id: a failed future naming the field, not a 422.
     image = body(1)
     image["forward_backward_input"]["data"][0]["model_input"]["chunks"] = [{"type": "image", "data": "x"}]
-    assert http.post("forward_backward", json=image).status_code == 422
+    failed = outcome(http.post("forward_backward", json=image))
+    assert failed["category"] == "user" and "body.forward_backward_input.data.0" in failed["error"], failed
 
     failures = {
-        "not an integer": outcome(http.post("forward_backward", json=body(1, data=[4, 5.5, 6]))),
-        "sparse": outcome(http.post("forward_backward", json=body(2, sparse_crow_indices=[0, 3]))),
-        "outside the vocabulary": outcome(http.post("forward_backward", json=body(3, data=[4, 5, 10**9]))),
+        "not an integer": outcome(http.post("forward_backward", json=body(2, data=[4, 5.5, 6]))),
+        "sparse": outcome(http.post("forward_backward", json=body(3, sparse_crow_indices=[0, 3]))),
+        "outside the vocabulary": outcome(http.post("forward_backward", json=body(4, data=[4, 5, 10**9]))),
     }
     for words, failed in failures.items():
         assert failed["category"] == "user" and words in failed["error"], failed
         assert "loss_fn_inputs['target_tokens']" in failed["error"], failed
     # The queue went on: the next seq_ids run, as forward_backward and as the JSON-era /forward.
-    assert outcome(http.post("forward_backward", json=body(4))) == {"done": True}
-    forward = body(5)
+    assert outcome(http.post("forward_backward", json=body(5))) == {"done": True}
+    forward = body(6)
     forward["forward_input"] = forward.pop("forward_backward_input")
     assert outcome(http.post("forward", json=forward)) == {"done": True}
-    for seq_id, value in ((6, float("nan")), (7, 1e39)):  # NaN, and a number float32 cannot hold
+    for seq_id, value in ((7, float("nan")), (8, 1e39)):  # NaN, and a number float32 cannot hold
         request = body(seq_id)
         request["forward_backward_input"]["data"][0]["loss_fn_inputs"]["weights"] = {
             "data": [value] * 3,

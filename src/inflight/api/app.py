@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -43,6 +44,8 @@ from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
 from inflight.api.jobs import BaseModelLimits
 from inflight.api.metrics import ServiceMetrics
+from inflight.api.routes_common import invalid_body_detail, reject_invalid_body
+from inflight.api.schemas import future_response
 from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, ServiceConfig, ServiceState
 from inflight.api.shutdown import GracefulServer, RefuseNewWorkMiddleware, ServiceShutdown
 from inflight.api.worker import EngineWorker, WorkerConfig
@@ -63,6 +66,10 @@ _CONNECTIONS_CLOSE_S = 10  # uvicorn's wait for open connections once the drain 
 # How often a base model's vLLM process is started again when it dies (EngineProcess); as a run's default
 # engine.max_restarts. Its sampling calls meanwhile wait for it (the client's outage_wait_s).
 _VLLM_MAX_RESTARTS = 3
+
+# The routes that carry training and sampling data, the only ones `max_request_bytes` is for: every other
+# body is small (`max_small_request_bytes`), and FastAPI parses those on the event loop.
+_DATA_PATHS = frozenset({"/api/v1/forward_backward", "/api/v1/forward", "/api/v1/asample"})
 
 # The user errors that are not a plain 400; every other UserError is.
 _STATUS: tuple[tuple[type[Exception] | tuple[type[Exception], ...], int], ...] = (
@@ -109,7 +116,12 @@ def create_app(
         app.include_router(module.router)
     # The middleware added last runs first: log every request, then refuse an unauthenticated one before
     # anything else, then new work while shutting down, and only then read the body.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_bytes=config.max_request_bytes,
+        small_max_bytes=min(config.max_small_request_bytes, config.max_request_bytes),
+        large_paths=_DATA_PATHS,
+    )
     app.add_middleware(RefuseNewWorkMiddleware, shutdown=shutdown)
     app.add_middleware(
         ApiKeyMiddleware, api_keys=config.api_keys, signed_prefix=routes_archives.ARCHIVES_PREFIX
@@ -268,9 +280,17 @@ def _base_model_info(compute: Compute, name: str) -> BaseModelInfo:
 
 
 async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
-    # FastAPI's own handler echoes the input back, and crashes on a body that is not UTF-8.
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-    detail = [{"loc": [str(part) for part in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in errors]
+    detail = invalid_body_detail(errors)
+    request_type = routes_training.ORDERED_BODY_ROUTES.get(request.scope["path"])
+    body = exc.body if isinstance(exc, RequestValidationError) else None
+    if request_type is not None and isinstance(body, dict):
+        # The SDK numbered this request: answered as a failed future when its seq_id can be read, since a
+        # bare 422 would leave a hole that stalls every later request of the training client.
+        state = request.app.state.service
+        rejected = await run_in_threadpool(reject_invalid_body, state, request_type, body, detail)
+        if rejected is not None:
+            return JSONResponse(future_response(rejected).model_dump(mode="json"))
     return JSONResponse({"detail": detail}, status_code=422)
 
 

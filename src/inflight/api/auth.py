@@ -94,19 +94,30 @@ class ApiKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """413 for a body over `max_bytes`, whether announced by Content-Length or streamed in chunks."""
+    """413 for a body over its path's limit, whether announced by Content-Length or streamed in chunks:
+    `max_bytes` on `large_paths`, `small_max_bytes` (by default the same) everywhere else."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        *,
+        small_max_bytes: int | None = None,
+        large_paths: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.small_max_bytes = max_bytes if small_max_bytes is None else small_max_bytes
+        self.large_paths = large_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.max_bytes if scope["path"] in self.large_paths else self.small_max_bytes
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(scope, receive, send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await self._refuse(limit, scope, receive, send)
             return
         # Read the whole body first (the routes would anyway), counting, then replay it.
         chunks: list[bytes] = []
@@ -117,8 +128,8 @@ class BodySizeLimitMiddleware:
                 return  # the client went away before sending its body: nobody to answer
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
+            if size > limit:
+                await self._refuse(limit, scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -133,9 +144,9 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
         response = JSONResponse(
-            {"detail": f"request body is larger than this server's limit of {self.max_bytes} bytes"},
+            {"detail": f"request body is larger than this server's limit of {limit} bytes"},
             status_code=413,
         )
         await response(scope, receive, send)

@@ -6,7 +6,8 @@ in-memory snapshot that save_weights_for_sampler made (the worker creates those 
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
@@ -14,7 +15,7 @@ from inflight.api.access_log import annotate
 from inflight.api.db import SamplingSessionRow
 from inflight.api.futures import RequestType
 from inflight.api.ids import new_sampling_session_id, parse_checkpoint_path
-from inflight.api.routes_common import submit
+from inflight.api.routes_common import parse_body, submit
 from inflight.api.schemas import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -81,9 +82,17 @@ def get_sampler(sampler_id: str, state: StateDep) -> GetSamplerResponse:
 
 
 @router.post("/asample")
-def asample(body: SampleRequest, state: StateDep) -> UntypedAPIFuture:
+async def asample(request: Request, state: StateDep) -> UntypedAPIFuture:
     """Samples of all sessions and adapters are batched by the worker; the promise carries one sequence id
-    per requested sample, which the SDK stamps on the returned sequences in order."""
+    per requested sample, which the SDK stamps on the returned sequences in order. The body (long prompts,
+    prompt logprob targets) is parsed in the thread pool, as forward_backward's is: on the event loop a
+    large one would stall every other request meanwhile."""
+    raw = await request.body()
+    return await run_in_threadpool(_asample, state, raw)
+
+
+def _asample(state: ServiceState, raw: bytes) -> UntypedAPIFuture:
+    body = parse_body(SampleRequest, raw)
     if body.sampling_session_id is None or body.seq_id is None:
         raise UserError(
             "asample needs sampling_session_id and seq_id (create a sampling client first); sampling by "

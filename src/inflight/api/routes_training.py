@@ -7,7 +7,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
@@ -23,7 +22,7 @@ from inflight.api.proto import (
     forward_backward_job,
     parse_forward_backward,
 )
-from inflight.api.routes_common import submit
+from inflight.api.routes_common import invalid_body_detail, parse_body, reject_invalid_body, submit
 from inflight.api.schemas import (
     CreateModelRequest,
     ForwardBackwardJsonRequest,
@@ -43,6 +42,15 @@ from inflight.api.service import ServiceState, StateDep
 from inflight.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
+# The ordered routes whose body FastAPI validates before the route runs: app.py's 422 handler records a
+# body that fails validation but names its model and seq_id as a failed future (reject_invalid_body), so
+# it leaves no hole in the model's queue. forward_backward and forward validate their own bodies.
+ORDERED_BODY_ROUTES: dict[str, RequestType] = {
+    f"{router.prefix}/optim_step": RequestType.OPTIM_STEP,
+    f"{router.prefix}/save_weights": RequestType.SAVE_WEIGHTS,
+    f"{router.prefix}/save_weights_for_sampler": RequestType.SAVE_WEIGHTS_FOR_SAMPLER,
+    f"{router.prefix}/load_weights": RequestType.LOAD_WEIGHTS,  # its create-via-load form takes no seq_id
+}
 
 
 @router.post("/create_model")
@@ -100,12 +108,17 @@ async def forward(request: Request, state: StateDep) -> UntypedAPIFuture:
 
 
 def _submit_json_pass(state: ServiceState, body: bytes, *, forward_only: bool = False) -> UntypedAPIFuture:
-    wire = ForwardJsonRequest if forward_only else ForwardBackwardJsonRequest
+    wire: type[ForwardJsonRequest | ForwardBackwardJsonRequest] = (
+        ForwardJsonRequest if forward_only else ForwardBackwardJsonRequest
+    )
+    request_type = RequestType.FORWARD if forward_only else RequestType.FORWARD_BACKWARD
     try:
-        parsed = wire.model_validate_json(body)
-    except ValidationError as err:  # answered as FastAPI answers a bad body: 422 naming the field
-        errors = err.errors(include_url=False, include_input=False)
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+        parsed = parse_body(wire, body)
+    except RequestValidationError as err:  # the SDK counted its seq_id: a failed future if it can be read
+        rejected = reject_invalid_body(state, request_type, body, invalid_body_detail(err.errors()))
+        if rejected is None:
+            raise
+        return future_response(rejected)
     inputs = parsed.forward_input if isinstance(parsed, ForwardJsonRequest) else parsed.forward_backward_input
     state.model_base(parsed.model_id)
     try:
@@ -118,7 +131,6 @@ def _submit_json_pass(state: ServiceState, body: bytes, *, forward_only: bool = 
         def refuse() -> None:
             raise failure
 
-        request_type = RequestType.FORWARD if forward_only else RequestType.FORWARD_BACKWARD
         return future_response(
             submit(state, parsed.model_id, parsed.seq_id, request_type, body, check=refuse)
         )

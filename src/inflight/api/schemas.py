@@ -6,6 +6,7 @@ Owns the wire layer only: routes convert to `futures.Future` and the DB rows, ne
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -26,6 +27,27 @@ SEED_LIMIT = 2**62
 # (vocabulary, context, samples) comes near it. Tighter limits (vocabulary, context, the server's maxima)
 # are checked where the model is known (jobs.py); this one keeps giant integers out of every later step.
 MAX_COUNT = 2**31 - 1
+# Free-form fields a client may set and the server stores (session and model rows, checkpoint metadata):
+# bounded, so a request cannot make the database grow by the size of its body.
+MAX_NAME_CHARS = 256  # sdk_version, project_id, display_name, a tag
+MAX_TAGS = 64
+MAX_BASE_MODEL_CHARS = 1024  # a name or a hub id; also echoed back in errors
+MAX_METADATA_BYTES = 64 * 1024  # user_metadata, as JSON
+MAX_DETAIL_CHARS = 64 * 1024  # a finished session's explanation (the SDK sends a short sentence)
+
+
+def _small_metadata(value: dict[str, Any]) -> dict[str, Any]:
+    """user_metadata may nest (dict[str, Any]), so no per-item bound holds it: its JSON size is bounded."""
+    size = len(json.dumps(value, default=str))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"holds {size} bytes as JSON; at most {MAX_METADATA_BYTES} are accepted")
+    return value
+
+
+ShortText = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+BaseModelName = Annotated[str, Field(max_length=MAX_BASE_MODEL_CHARS)]
+UserMetadata = Annotated[dict[str, Any], AfterValidator(_small_metadata)]
+StringMetadata = Annotated[dict[str, str], AfterValidator(_small_metadata)]
 
 
 class WireRequest(BaseModel):
@@ -69,7 +91,7 @@ class WireResponse(BaseModel):
 
 
 class ClientConfigRequest(WireRequest):
-    sdk_version: str | None = None
+    sdk_version: ShortText | None = None
 
 
 class ClientConfigResponse(WireResponse):
@@ -100,11 +122,11 @@ class GetServerCapabilitiesResponse(WireResponse):
 
 
 class CreateSessionRequest(WireRequest):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
-    project_id: str | None = None
-    display_name: str | None = None
+    tags: list[ShortText] = Field(default_factory=list, max_length=MAX_TAGS)
+    user_metadata: UserMetadata | None = None
+    sdk_version: ShortText | None = None
+    project_id: ShortText | None = None
+    display_name: ShortText | None = None
     type: Literal["create_session"] = "create_session"
 
 
@@ -133,7 +155,7 @@ class FinishSessionRequest(WireRequest):
     """Body of POST /sessions/{session_id}/finish (the id is in the path)."""
 
     reason: SessionEndReason = Field(default_factory=SessionEndReason)
-    detail: str | None = None
+    detail: str | None = Field(default=None, max_length=MAX_DETAIL_CHARS)
 
 
 class LoraConfig(WireRequest):
@@ -151,10 +173,10 @@ class OptimizerConfig(WireRequest):
 class CreateModelRequest(WireRequest):
     session_id: SessionId
     model_seq_id: int = Field(ge=0, le=MAX_MODEL_SEQ_ID)
-    base_model: str = Field(min_length=1)
+    base_model: BaseModelName = Field(min_length=1)
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     type: Literal["create_model"] = "create_model"
 
 
@@ -251,6 +273,16 @@ class AdamParams(WireRequest):
     grad_clip_norm: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
+class OrderedRequestHeader(WireRequest):
+    """What places a training client's request in its model's queue, read alone from a body that fails
+    validation (routes_common.reject_invalid_body): enough to record the request as failed under its
+    seq_id. A create-via-load (`session_id` set) is its model's first request and takes no seq_id."""
+
+    model_id: ModelId
+    seq_id: int = Field(ge=1, le=MAX_SEQ_ID)
+    session_id: None = None
+
+
 class OptimStepRequest(WireRequest):
     """The SDK names the parameters adam_params (AdamW) or optimizer_params (other families)."""
 
@@ -272,7 +304,7 @@ class SaveWeightsRequest(WireRequest):
     seq_id: int = Field(ge=1, le=MAX_SEQ_ID)
     ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_S)
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata | None = None
     type: Literal["save_weights"] = "save_weights"
 
 
@@ -291,7 +323,7 @@ class SaveWeightsForSamplerRequest(WireRequest):
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: int = Field(ge=1, le=MAX_SEQ_ID)
     ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_S)
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata | None = None
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
 
 
@@ -308,8 +340,8 @@ class LoadWeightsRequest(WireRequest):
     seq_id: int | None = Field(default=None, ge=1, le=MAX_SEQ_ID)
     session_id: SessionId | None = None
     model_seq_id: int | None = Field(default=None, ge=0, le=MAX_MODEL_SEQ_ID)
-    base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    base_model: BaseModelName | None = None
+    user_metadata: UserMetadata | None = None
     path: str = Field(min_length=1)
     optimizer: bool = False
     optimizer_config: OptimizerConfig | None = None
@@ -325,7 +357,7 @@ class LoadWeightsResponse(WireResponse):
 class CreateSamplingSessionRequest(WireRequest):
     session_id: SessionId
     sampling_session_seq_id: int = Field(ge=0, le=MAX_SEQ_ID)
-    base_model: str | None = None
+    base_model: BaseModelName | None = None
     model_path: str | None = None
     type: Literal["create_sampling_session"] = "create_sampling_session"
 
@@ -382,7 +414,7 @@ class SampleRequest(WireRequest):
     sampling_session_id: str | None = None
     # Sampling clones number from 1e9 * k (k < 1e9), so these reach 1e18: 64-bit.
     seq_id: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    base_model: str | None = None
+    base_model: BaseModelName | None = None
     model_path: str | None = None
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_COUNT)

@@ -40,7 +40,11 @@ class ServiceConfig(BaseModel):
     db_url: str | None = None
     api_keys: list[str] = Field(default_factory=list)
     long_poll_hold_s: float = Field(default=25.0, gt=0)
+    # Bodies of the routes that carry training and sampling data (forward_backward, forward, asample),
+    # which parse them in the thread pool; every other route's body (sessions, models, optimizer steps,
+    # checkpoints) is small, and FastAPI parses it on the event loop, so it gets a much lower limit.
     max_request_bytes: int = Field(default=64 * 2**20, ge=1024)
+    max_small_request_bytes: int = Field(default=2**20, ge=1024)
     max_lora_rank: int = Field(default=64, ge=1)
     dtype: DtypeName = "auto"  # base weights: see ServiceComputeConfig.dtype
     device: str = "auto"  # auto (CUDA when there is one, else cpu), cpu, cuda, cuda:N: everything runs there
