@@ -5,11 +5,13 @@ Reference: the same loss computed in one batch (naive) vs in micro-batches; torc
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from inflight.models import load_model
 from inflight.trainer import LossConfig, MicroBatch, Trainer, TrainerConfig
@@ -492,3 +494,44 @@ def test_the_last_layer_trimmed_to_trained_positions_gives_the_full_step(
     _assert_same_step(steps[True], steps[False])
     trained = sum(1 for s in samples for m in s.loss_mask[1:] if m)  # the loss's positions, per sample
     assert mlp_rows[True] <= 2 * trained < mlp_rows[False]  # policy and reference: at most the trained ones
+
+
+@pytest.mark.parametrize("window", [12, 24])
+def test_a_sliding_window_model_shares_prefixes_only_where_its_window_changes_nothing(window: int) -> None:
+    """Mistral with a sliding window: the shared-prefix layout's 4D mask cannot slide, so a micro-batch
+    shares prefixes only when every sequence fits in the window (24: all do, though a shared row is
+    longer; 12: the longest do not, and the batch is packed without sharing). Either way the step is the
+    padded one's. 12 passes the trainer's start-up probe (sequences of up to 11 tokens), which is how a
+    QA pass found Mistral and Qwen2 models with windows of 48-64 trained on wrong logprobs."""
+    samples = make_grouped_samples(prompts=3, group=4, vocab=512, seed=9)
+    longest = max(len(s.token_ids) for s in samples) - 1
+    row = MicroBatch.collate(samples, pack=True, share_prefixes=True).packed_ids
+    assert row is not None and 12 < longest <= 24 < row.shape[1]
+    config = transformers.MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=window, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config)
+    steps = {}
+    for layout, (packing, share) in {
+        "padded": (False, False),
+        "packed": (True, False),
+        "shared": (True, True),
+    }.items():
+        loss = _regularised_ppo("token_mean")
+        trainer = Trainer(
+            copy.deepcopy(model), TrainerConfig(loss=loss, packing=packing, share_prefixes=share)
+        )
+        metrics = trainer.forward_backward(samples)
+        params = trainer.policy.parameters()
+        steps[layout] = (
+            metrics,
+            {str(i): p.grad.clone() for i, p in enumerate(params) if p.grad is not None},
+        )
+    _assert_same_step(steps["shared"], steps["padded"])
+    shared_tokens, packed_tokens = (steps[layout][0]["forward_tokens"] for layout in ("shared", "packed"))
+    if window == 24:
+        assert shared_tokens < 0.6 * packed_tokens
+    else:
+        assert shared_tokens == packed_tokens

@@ -252,6 +252,22 @@ def packing_is_exact(model: torch.nn.Module, device: torch.device) -> bool:
     )
 
 
+def sliding_window(config: object) -> int | None:
+    """The window (tokens) of the model's sliding-window attention layers, or None when every layer attends
+    over the whole sequence. The shared-prefix layout's 4D mask (`_shared_prefix_mask`) is used as given by
+    every layer, so it cannot slide: the trainer shares prefixes only in micro-batches whose sequences all
+    fit in the window (where the window changes nothing). Packing without sharing is exact either way:
+    Hugging Face's mask slides over a packed row's positions, which restart per sequence.
+    Mistral: `sliding_window` on every layer when set; Qwen2/Qwen3: `layer_types` says which layers slide
+    (none unless `use_sliding_window`)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    sliding_off = getattr(config, "use_sliding_window", None) is False
+    if window is None or sliding_off or layer_types == {"full_attention"}:
+        return None
+    return int(window)
+
+
 def shared_prefixes_are_exact(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether `model` honours the shared-prefix layout: two sequences that begin alike, laid out as one
     prefix and two branches under a 4D attention mask, give the logits each gives alone. Warns (and the

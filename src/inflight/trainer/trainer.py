@@ -33,7 +33,12 @@ from inflight.losses.importance import to_floats
 from inflight.models.device import resolve_device
 from inflight.models.loader import native_bfloat16
 from inflight.trainer import checkpoint as checkpoints
-from inflight.trainer.batch_layout import MicroBatch, packing_is_exact, shared_prefixes_are_exact
+from inflight.trainer.batch_layout import (
+    MicroBatch,
+    packing_is_exact,
+    shared_prefixes_are_exact,
+    sliding_window,
+)
 from inflight.trainer.config import TrainerConfig, lr_at
 from inflight.trainer.last_layer import last_layer_at, trimmable_last_layer
 from inflight.trainer.lora_policy import LoraPolicy
@@ -124,6 +129,8 @@ class Trainer:
         self.share_prefixes = (
             self.packing and config.share_prefixes and shared_prefixes_are_exact(model, self.device)
         )
+        # Shared prefixes only where every sequence fits in the model's sliding window (`sliding_window`).
+        self._window = sliding_window(getattr(model, "config", None))
         if config.gradient_checkpointing:
             if not getattr(model, "supports_gradient_checkpointing", False):
                 raise UserError(
@@ -170,6 +177,13 @@ class Trainer:
         if self._bf16:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _shares_prefixes(self, group: Sequence[TrainSample]) -> bool:
+        """Whether this micro-batch lays its samples out with shared prefixes: where the model can, and
+        every sequence fits in its sliding window, if it has one (`sliding_window`)."""
+        if not self.share_prefixes or self._window is None:
+            return self.share_prefixes
+        return max(len(s.token_ids) - 1 for s in group) <= self._window
 
     def _micro_batches(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
         """At most micro_batch_size samples and micro_batch_tokens tokens each (packed: their sum; padded:
@@ -251,8 +265,9 @@ class Trainer:
 
         # The sums use the step's global denominators, so the grouping does not change the result.
         for group in self._micro_batches([through_last_trained(s) for s in samples]):
+            shared = self._shares_prefixes(group)
             cpu_mb = MicroBatch.collate(
-                group, self.pad_id, self.version, pack=self.packing, share_prefixes=self.share_prefixes
+                group, self.pad_id, self.version, pack=self.packing, share_prefixes=shared
             )
             partial.forward_tokens += cpu_mb.forward_tokens
             mb_tokens = float(cpu_mb.mask.sum())
