@@ -31,15 +31,20 @@ def distributions(vocab: int, generator: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab", [2048, 1003, 151936])
 def test_blocked_search_equals_the_full_scan(vocab: int) -> None:
+    """Uniforms draw what a full float64 scan draws, but u = 0 (the target is the row's whole mass): a token
+    of nonzero probability at or after the scan's. The scan stops at the last token that still moves its
+    float64 sum (later ones below 1e-16 of the row's mass); the blocked search compares against its
+    block's mass only, and reaches tokens the scan cannot."""
     generator = torch.Generator().manual_seed(vocab)
     probs = distributions(vocab, generator)
     n = probs.shape[0]
-    edges = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
-    for uniform in [torch.rand(n, 1, generator=generator, dtype=torch.float64) for _ in range(20)] + [
-        edge.expand(n, 1).clone() for edge in edges
-    ]:
+    top = torch.full((n, 1), 1.0 - 2.0**-53, dtype=torch.float64)  # the target: 2^-53 of the mass
+    for uniform in [torch.rand(n, 1, generator=generator, dtype=torch.float64) for _ in range(20)] + [top]:
         assert torch.equal(_blocked_inverse_cdf(probs, uniform), full_scan(probs, uniform))
         assert torch.equal(inverse_cdf(probs, uniform), full_scan(probs, uniform))
+    zero = torch.zeros(n, 1, dtype=torch.float64)
+    tokens = _blocked_inverse_cdf(probs, zero)
+    assert (tokens >= full_scan(probs, zero)).all() and (probs.gather(1, tokens[:, None]) > 0).all()
 
 
 @pytest.mark.parametrize("vocab", [64, 2048, 1003])
