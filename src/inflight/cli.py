@@ -7,7 +7,9 @@ user can fix print one line and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import importlib.util
 import json
 import signal
 import sys
@@ -30,6 +32,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if not args.target:
         raise UserError(f"missing TARGET: {forms()}; e.g. `inflight run blackjack`")
+    _check_target_spelling(args.target)
     task = resolve_target(args.target)
     overrides = list(args.overrides)
     if args.run_dir:
@@ -61,6 +64,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(json.dumps(summary))
     stopped = summary.get("stopped")  # the signal that ended the training early, if one did
     return 0 if stopped is None else 128 + signal.Signals[stopped].value
+
+
+def _check_target_spelling(target: str) -> None:
+    """Two slips `resolve_target` can only call an unknown module: a setting where TARGET goes
+    (`inflight run grpo.steps=3`), and a recipe misspelled (`blackjak`), named here with the likely fix."""
+    from inflight.orchestrator.target import forms
+    from inflight.recipes import RECIPES
+
+    if "=" in target and not Path(target).exists():
+        raise UserError(
+            f"missing TARGET: {target!r} is a setting, and settings come after the TARGET: "
+            f"`inflight run TARGET {target}` ({forms()})"
+        )
+    if not target.isidentifier() or target in RECIPES:
+        return
+    near = difflib.get_close_matches(target, sorted(RECIPES), n=1, cutoff=0.75)
+    # A module of that name is what the user meant (resolve_target imports it): no suggestion then.
+    if near and importlib.util.find_spec(target) is None:
+        raise UserError(f"unknown target {target!r}: did you mean the recipe {near[0]}? ({forms()})")
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -198,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a recipe (blackjack, guess_number, arithmetic, math, code, tools), a .py file, "
         "package.module[:attr], or openenv:URL",
     )
-    run.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    run.add_argument(
+        "overrides", nargs="*", help="config overrides, key=value (before, between or after the options)"
+    )
     run.add_argument("--run-dir", help="where metrics, checkpoints and plots go (default runs/NAME-TIME)")
     run.add_argument(
         "--list-keys",
@@ -389,8 +413,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """parse_args, except that `inflight run`'s key=value settings may also follow its options
+    (`inflight run task.py --run-dir X grpo.steps=2`). argparse fills a positional list once, from the
+    words before the first option, and calls the later ones unrecognized; its intermixed parsing, which
+    would collect them, refuses a parser with subcommands. So the leftover words are taken here: a
+    key=value one is a setting (in order, after those before the options), anything else stays an error."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    settings = [a for a in extras if args.command == "run" and "=" in a and not a.startswith("-")]
+    unknown = [a for a in extras if a not in settings]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if settings:
+        args.overrides = [*args.overrides, *settings]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     try:
         return int(args.func(args))
     except UserError as e:

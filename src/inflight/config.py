@@ -6,19 +6,28 @@ once, in its component's Config. Unknown keys are errors that list the valid one
 
 from __future__ import annotations
 
+import difflib
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from inflight.errors import UserError
 from inflight.inference.config import BuiltinEngineConfig
 from inflight.metrics.config import MetricsConfig
 from inflight.trainer.config import TrainerConfig
 
+# A seed is what torch's and Python's generators take: a non-negative integer below 2**63 (torch refuses
+# one above 2**64 - 1, after the weights loaded; the headroom leaves room for the seeds derived from it).
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `key=NaN` / `key=Infinity` parse as floats (json.loads) and pass every `>=`
+    # check unnoticed (NaN compares false); no knob here means anything by them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Config):
@@ -26,31 +35,33 @@ class ModelConfig(_Config):
 
     path: str | None = None  # None = build the `tiny_preset` model into the runs directory (cached)
     tiny_preset: Literal["tiny", "small"] = "tiny"
-    tiny_seed: int = 0
+    tiny_seed: Seed = 0
 
 
 class SamplingConfig(_Config):
-    temperature: float = 1.0
-    top_p: float = 1.0  # < 1 truncates the behaviour distribution; the IS ratio then corrects for it
-    top_k: int = 0
-    max_tokens_per_turn: int = 16
+    # The ranges SamplingParams (types.py) enforces on every request, checked here so that a bad value
+    # fails when the command line is read, not in the first rollout after the weights loaded.
+    temperature: float = Field(default=1.0, ge=0)  # 0 = greedy
+    top_p: float = Field(default=1.0, gt=0, le=1)  # < 1 truncates the behaviour distribution; the IS ratio
+    # then corrects for it
+    top_k: int = Field(default=0, ge=0)  # 0 = off
+    max_tokens_per_turn: int = Field(default=16, ge=1)
 
 
 class GRPOConfig(_Config):
     """The on-policy loop's shape: a step samples prompts_per_step groups of group_size rollouts."""
 
-    steps: int = 200
-    prompts_per_step: int = 16
+    steps: int = Field(default=200, ge=0)
+    prompts_per_step: int = Field(default=16, ge=1)
     group_size: int = 8
     advantage: Literal["mean", "mean_std", "leave_one_out", "dr_grpo"] = "mean"
-    max_turns: int = 8  # per episode; an episode cut here ends with finish_reason "length"
+    # per episode; an episode cut here ends with finish_reason "length" (below 1 it played one turn anyway)
+    max_turns: int = Field(default=8, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
         if self.group_size < 2:
             raise ValueError("grpo.group_size must be >= 2: a group of one has no baseline to compare with")
-        if self.steps < 0 or self.prompts_per_step < 1:
-            raise ValueError("grpo.steps must be >= 0 and grpo.prompts_per_step >= 1")
         return self
 
 
@@ -70,10 +81,10 @@ class WarmupConfig(_Config):
     learns to read the observations the way a pretrained LLM already can.
     """
 
-    sft_steps: int = 0
+    sft_steps: int = Field(default=0, ge=0)  # 0 = no warm-up
     tokens: Literal["replies", "all"] = "replies"
-    sft_batch_size: int = 64
-    sft_lr: float = 1e-3
+    sft_batch_size: int = Field(default=64, ge=1)
+    sft_lr: float = Field(default=1e-3, gt=0)
     # Transcripts per episode seed (environment start) in a batch: > 1 plays each start several times with
     # its own random replies, so they share their first turn and the trainer lays it out once
     # (trainer.share_prefixes); 1: every transcript its own start.
@@ -84,12 +95,12 @@ class EvalConfig(_Config):
     """Evaluation on the task's "test" split: before training, every `every_steps` and at the end."""
 
     num_episodes: int = Field(default=10_000, ge=0)  # first test problems evaluated before/after; 0 = no eval
-    every_steps: int = 0  # 0 = no evaluation during training
-    num_episodes_during: int = 2_000  # a smaller set for the periodic evaluation
+    every_steps: int = Field(default=0, ge=0)  # 0 = no evaluation during training
+    num_episodes_during: int = Field(default=2_000, ge=0)  # a smaller set for the periodic evaluation
     # The sampled evaluation's share of those (the first N; None: all): the greedy one is the measure of
     # the policy and costs less per problem (identical requests are generated once).
     num_episodes_sampled: int | None = Field(default=None, ge=0)
-    seed: int = 1_000_000  # seeds the sampled evaluation's turns (the same for every evaluation)
+    seed: Seed = 1_000_000  # seeds the sampled evaluation's turns (the same for every evaluation)
     # Episodes played at once; the rest wait their turn. None: as many as the engines decode together
     # (engine.max_batch_size per engine replica). More only queue in the engine, where a multi-turn episode's
     # next turn waits behind thousands of first turns and finds its K/V gone from the prefix cache.
@@ -111,8 +122,8 @@ class PipelineConfig(_Config):
 
     # A token generated by weights of version v is trained on at trainer version <= v + this bound;
     # prompts are admitted only while it can hold. 0 = on-policy (the sync loop's samples). None = unbounded.
-    max_staleness_steps: int | None = 1
-    max_groups_in_flight: int = 64  # prompts being rolled out at once (x group_size rollouts)
+    max_staleness_steps: int | None = Field(default=1, ge=0)
+    max_groups_in_flight: int = Field(default=64, ge=1)  # prompts being rolled out at once (x group_size)
     active_sampling: bool = True  # drop all-equal-reward groups and keep drawing until a batch is full
     # ...but after this many batches' worth of groups were dropped for one batch, let uninformative groups
     # through (that step trains on fewer groups, or is skipped and counted, as in the sync loop); 0 = never.
@@ -129,8 +140,9 @@ class PipelineConfig(_Config):
     # "torch_dist" (full weights broadcast in bucketed flat buffers over a torch.distributed group of the
     # trainer and every replica, gloo; adapters go by http; on a failure, http from then on, counted).
     weight_transport: Literal["auto", "filesystem", "http", "torch_dist"] = "auto"
-    batch_timeout_s: float = 600.0  # the trainer's wait for a full batch
-    torch_threads: int = 1  # per stage: the engine thread and the trainer (thread or process) each get a core
+    batch_timeout_s: float = Field(default=600.0, gt=0)  # the trainer's wait for a full batch
+    # per stage: the engine thread and the trainer (thread or process) each get a core
+    torch_threads: int = Field(default=1, ge=1)
     # The trainer in a process of its own (trainer/process.py): its own GIL and core, the weights shared in
     # memory. "auto": on the CPU with at least 2 cores (engines here or elsewhere); false: a thread here.
     trainer_process: bool | Literal["auto"] = "auto"
@@ -208,8 +220,8 @@ class RunConfig(_Config):
     # cluster by `launch/ray.py`, configured by `ray.*` (needs `pip install 'inflight[ray]'`).
     launcher: Literal["local", "ray"] = "local"
     run_dir: str | None = None  # None = runs/<recipe>-<timestamp>
-    seed: int = 0
-    checkpoint_every_steps: int = 0  # 0 = only at the end
+    seed: Seed = 0
+    checkpoint_every_steps: int = Field(default=0, ge=0)  # 0 = only at the end
     progress: bool = True
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -276,6 +288,71 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+def _suggest(key: str) -> str:
+    """The hint for an unknown key: keys with the same last part (`traner.lr` -> trainer.lr), else keys
+    spelled closely (`grpo.step` -> grpo.steps), else where the list of keys is."""
+    valid = _valid_keys(RunConfig)
+    near = [k for k in valid if k.split(".")[-1] == key.split(".")[-1]]
+    near = near or difflib.get_close_matches(key, valid, n=3, cutoff=0.8)
+    return f"did you mean {', '.join(near)}?" if near else "run `inflight run --list-keys`"
+
+
+# Pydantic's error types for a number outside a Field's bounds (or not finite): the message then states the
+# field's whole valid range, which pydantic's own ("Input should be less than or equal to 1") half says.
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+_BOUNDS = (
+    (annotated_types.Gt, "gt", ">"),
+    (annotated_types.Ge, "ge", ">="),
+    (annotated_types.Lt, "lt", "<"),
+    (annotated_types.Le, "le", "<="),
+)
+
+
+def _field_at(loc: tuple[int | str, ...]) -> FieldInfo | None:
+    """The RunConfig field at an error's location (`("sampling", "top_p")`), if it is one."""
+    model: Any = RunConfig
+    field = None
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        field = model.model_fields[str(part)]
+        model = field.annotation
+    return field
+
+
+def _bound(value: Any) -> str:
+    # 2**63 reads better than 9223372036854775808.
+    if isinstance(value, int) and value >= 2**32 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
+    return str(value)
+
+
+def _valid_range(field: FieldInfo) -> str:
+    """`> 0 and <= 1`: the bounds a field declares (Field(gt=..., le=...)), in the CLI's notation."""
+    return " and ".join(
+        f"{sign} {_bound(getattr(m, attr))}"
+        for m in field.metadata
+        for kind, attr, sign in _BOUNDS
+        if isinstance(m, kind)
+    )
+
+
+def _describe(err: Any) -> str:
+    """One pydantic error as `at KEY: PROBLEM`, the problem naming the valid values."""
+    loc = tuple(err["loc"])
+    where = ".".join(str(p) for p in loc)
+    at = f" at {where}" if where else ""
+    if err["type"] in _RANGE_ERRORS:
+        field = _field_at(loc)
+        valid = _valid_range(field) if field is not None else ""
+        finite = "a finite number" if err["type"] == "finite_number" else ""
+        if valid or finite:
+            must = " ".join(part for part in (finite, valid) if part)
+            return f"{at}: must be {must}, got {json.dumps(err['input'])}"
+    # A model validator's ValueError names its keys itself; pydantic prefixes it with "Value error, ".
+    return f"{at}: {str(err['msg']).removeprefix('Value error, ')}"
+
+
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
     """Return a new RunConfig with `a.b=value` overrides applied and everything re-validated."""
     data = config.model_dump()
@@ -291,18 +368,14 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
                 if isinstance(node, dict) and parts[:i] == ["env", "kwargs"]:
                     node[part] = {} if i < len(parts) - 1 else None
                 else:
-                    near = [k for k in _valid_keys(RunConfig) if k.split(".")[-1] == parts[-1]]
-                    hint = f"did you mean {', '.join(near)}?" if near else "run `inflight run --list-keys`"
-                    raise UserError(f"unknown config key {key!r}; {hint}")
+                    raise UserError(f"unknown config key {key!r}; {_suggest(key)}")
             if i < len(parts) - 1:
                 node = node[part]
         node[parts[-1]] = _parse_value(raw)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise UserError(f"invalid config{' at ' + where if where else ''}: {err['msg']}") from None
+        raise UserError(f"invalid config{_describe(e.errors()[0])}") from None
 
 
 def list_keys() -> list[str]:

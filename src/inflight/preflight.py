@@ -204,11 +204,13 @@ def _damaged_sqlite(exc: BaseException | None) -> bool:
 
 
 def check_model_dir(name_or_path: str) -> None:
-    """A local model path must be a Hugging Face model directory; a hub id is left to the loader."""
+    """A local model path must be a Hugging Face model directory; a hub id must be downloadable (or cached):
+    the rest of it is left to the loader."""
     from inflight.models.paths import resolve
 
     local = Path(resolve(name_or_path))  # UserError for a path that does not exist or is a file
     if not local.is_dir():
+        check_hub_reachable(str(name_or_path))
         return
     if not (local / "config.json").is_file():
         raise UserError(
@@ -219,22 +221,56 @@ def check_model_dir(name_or_path: str) -> None:
     check_weight_files(local)
 
 
+def check_hub_reachable(repo_id: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A hub id that is not in the Hugging Face cache is downloaded, so the hub must answer: asked once here,
+    because the download itself retries an unreachable hub for about a minute before it fails.
+
+    Any HTTP answer counts (a missing or gated repository is the loader's to report, in its words). Offline
+    mode (HF_HUB_OFFLINE=1) and a cached model need no network: transformers then reads the cache at once.
+    The request goes through httpx, like huggingface_hub's own, so the same proxy settings apply."""
+    import httpx
+    from huggingface_hub import constants
+
+    from inflight.models.paths import in_hub_cache
+
+    if constants.HF_HUB_OFFLINE or in_hub_cache(repo_id):
+        return
+    try:
+        httpx.head(constants.ENDPOINT, timeout=timeout_s)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise UserError(
+            f"model {repo_id!r} is not a local directory, so it is a Hugging Face hub id, but it is not in "
+            f"the cache ({constants.HF_HUB_CACHE}) and {constants.ENDPOINT} cannot be reached "
+            f"({type(e).__name__}: {_reason(e)}): name a local model directory, or download it once with "
+            "network access (it is then read from the cache)"
+        ) from None
+
+
 def check_causal_lm(local: Path) -> None:
     """The directory's model type is one transformers loads as a causal LM (what inflight trains and samples);
     an encoder such as BERT is refused here, before any weight is read."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     try:
-        model_type = json.loads((local / "config.json").read_text()).get("model_type")
+        config = json.loads((local / "config.json").read_text())
+        model_type = config.get("model_type")
     except (OSError, ValueError, AttributeError) as exc:
         raise UserError(
             f"model directory {str(local)!r}: config.json is unreadable: {_reason(exc)}"
         ) from None
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    # Encoder families (BERT, RoBERTa, ...) have a causal-LM class too, but it is their decoder variant: a
+    # checkpoint not saved as a decoder (is_decoder) is an encoder, which transformers would load with a
+    # warning and which then fails later for want of a tokenizer or chat template, naming neither cause.
+    encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.get("is_decoder")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder:
+        kind = " (an encoder: its config.json does not set is_decoder)" if encoder else ""
         raise UserError(
-            f"model directory {str(local)!r} holds a {model_type!r} model, which is not a causal language "
-            "model: inflight trains and samples decoder LMs (Qwen2/2.5/3, Llama, Mistral, GPT-NeoX, any "
-            "AutoModelForCausalLM type)"
+            f"model directory {str(local)!r} holds a {model_type!r} model{kind}, which is not a causal "
+            "language model: inflight trains and samples decoder LMs (Qwen2/2.5/3, Llama, Mistral, GPT-NeoX, "
+            "any AutoModelForCausalLM type)"
         )
 
 

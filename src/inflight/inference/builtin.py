@@ -727,8 +727,9 @@ class BuiltinEngine:
         if len(prompt) > limit:
             raise ValueError(
                 f"request {rid}: prompt has {len(prompt)} tokens, more than the {limit} that "
-                f"max_seq_len_tokens={self.config.max_seq_len_tokens} allows; raise "
-                "BuiltinEngineConfig.max_seq_len_tokens or shorten the prompt"
+                f"max_seq_len_tokens={self.config.max_seq_len_tokens} allows; shorten the prompt or raise "
+                "the limit (`inflight run`: engine.max_seq_len_tokens=N; `inflight serve-engine`: "
+                "--max-seq-len-tokens N)"
             )
         vocab = self._runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:

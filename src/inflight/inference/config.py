@@ -17,7 +17,8 @@ class BuiltinEngineConfig(BaseModel):
     # Prompt + completion: the cache length; a sequence that reaches it stops with "length".
     max_seq_len_tokens: int = Field(default=1024, ge=2)
     dtype: Literal["float32", "bfloat16"] = "float32"  # weights, activations and KV cache
-    seed: int = 0  # the generator of requests without their own seed
+    # the generator of requests without their own seed: torch takes a non-negative one below 2**63 here
+    seed: int = Field(default=0, ge=0, lt=2**63)
     # What an update does to the K/V cache of sequences in flight (PipelineRL and OlmoRL always keep it):
     # "keep": they go on reading K/V computed by older weights; no pause, but every later token of theirs is
     #   generated on a stale prefix (counted: EngineMetrics.tokens_on_stale_kv).

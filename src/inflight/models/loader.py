@@ -68,9 +68,27 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     return model
 
 
+# The files a tokenizer is saved as (fast, SentencePiece, BPE and WordPiece vocabularies). A directory with
+# none of them still "loads": transformers builds an empty tokenizer of the model's type, whose first
+# failure (no chat template, every text one unknown token) names anything but the missing files.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+)
+
+
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved with a model (tokenizer.json + tokenizer_config.json, chat template included)."""
     name = resolve(name_or_path)
+    if Path(name).is_dir() and not any((Path(name) / file).is_file() for file in TOKENIZER_FILES):
+        raise UserError(
+            f"model directory {name!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)}): save the "
+            "model's tokenizer into it (`tokenizer.save_pretrained(DIR)`), or name a directory that has one"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except OSError as exc:

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inflight.losses.offpolicy_settings import OffPolicyKind, offpolicy_thresholds
 from inflight.models.lora_targets import ATTN_TARGETS, LORA_ALPHA, MLP_TARGETS, UNEMBED_TARGETS
 
 LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 Reduction = Literal["token_sum", "token_mean", "seq_mean", "constant"]
+# The (low, high) ratio thresholds of the clipped losses when left unset: `losses/policy.py`'s CLIP_DEFAULTS,
+# repeated because that module imports torch and reading a config must not (a test keeps the two equal).
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+# NaN and infinity (`key=NaN` on the command line parses as a float) pass `<= 0` checks unnoticed and
+# mean nothing for any of these knobs: refused for every float field.
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class OffPolicyConfig(BaseModel):
@@ -21,7 +27,7 @@ class OffPolicyConfig(BaseModel):
     take the control's default (`OFFPOLICY_DEFAULTS`); setting one the control does not use is an error.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     kind: OffPolicyKind = "none"  # none: Tinker's losses exactly, ratio against the sampler's log-probs
     ratio_low: float | None = None  # icepop, geo_mask: the lowest ratio kept
@@ -36,13 +42,15 @@ class OffPolicyConfig(BaseModel):
 class LossConfig(BaseModel):
     """Which policy loss, how it is reduced, and the regularisers added to it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     name: LossName = "ppo"  # Tinker's loss names
     reduction: Reduction = "token_mean"
-    constant_normalizer: float | None = None  # only for reduction=constant (Dr.GRPO)
-    clip_low_threshold: float | None = None  # ratio thresholds; None = the loss's own default
-    clip_high_threshold: float | None = None
+    constant_normalizer: float | None = Field(default=None, gt=0)  # only for reduction=constant (Dr.GRPO)
+    # Ratio thresholds (ppo, cispo); None = the loss's own default (CLIP_DEFAULTS). The loss checks
+    # 0 <= low <= high only once it runs (after the weights load); the config checks it first.
+    clip_low_threshold: float | None = Field(default=None, ge=0)
+    clip_high_threshold: float | None = Field(default=None, ge=0)
     offpolicy: OffPolicyConfig = OffPolicyConfig()  # truncated/masked IS, IcePop, geometric masking
     entropy_coef: float = 0.0  # bonus: loss -= entropy_coef * entropy
     entropy_top_k: int = 0  # the bonus's entropy over the top-k tokens only (0 = whole vocabulary)
@@ -59,6 +67,15 @@ class LossConfig(BaseModel):
             raise ValueError("loss.entropy_top_k must be 0 (whole vocabulary) or >= 2")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("loss.kl_coef and loss.entropy_coef must be >= 0")
+        if self.name in CLIP_DEFAULTS:
+            default_low, default_high = CLIP_DEFAULTS[self.name]
+            low = default_low if self.clip_low_threshold is None else self.clip_low_threshold
+            high = default_high if self.clip_high_threshold is None else self.clip_high_threshold
+            if low > high:
+                raise ValueError(
+                    f"trainer.loss.clip_low_threshold must be <= clip_high_threshold, got {low} > {high} "
+                    f"(loss {self.name}'s defaults, used when unset: {default_low} and {default_high})"
+                )
         return self
 
 
@@ -66,7 +83,7 @@ class TrainerConfig(BaseModel):
     """Optimizer, batching, device and what trains (the full model, or one LoRA adapter when lora_rank > 0).
     A step is one optimizer update over all samples handed to `train_step`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     lr: float = 1e-4
     # constant, or linear from lr down to lr * lr_final_frac over lr_decay_steps optimizer steps (then
@@ -74,11 +91,13 @@ class TrainerConfig(BaseModel):
     lr_schedule: Literal["constant", "linear"] = "constant"
     lr_final_frac: float = 0.1
     lr_decay_steps: int = 0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0  # 0 = no clipping
+    # AdamW's own ranges (torch refuses others only when the optimizer is built, after the weights load);
+    # eps > 0: at 0, a parameter whose gradient is still 0 steps by 0 / 0.
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.95, ge=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, ge=0)  # 0 = no clipping (below 0 it silently did not clip)
     # A micro-batch (one forward/backward; gradients accumulate across them) holds at most
     # micro_batch_size samples and, when set, micro_batch_tokens tokens (packed: the samples' tokens;
     # padded: rows x longest row; either way what bounds activation memory); a longer sample goes alone.
@@ -111,9 +130,10 @@ class TrainerConfig(BaseModel):
     # LoRA: 0 trains every parameter; N > 0 trains one rank-N adapter on the frozen model (the KL
     # reference is then the base itself, no copy), scaled by lora_alpha / lora_rank like PEFT.
     lora_rank: int = 0
-    lora_alpha: float = LORA_ALPHA
+    lora_alpha: float = Field(default=LORA_ALPHA, gt=0)  # > 0 even unused: a negative one means nothing
     lora_target_modules: tuple[str, ...] = ATTN_TARGETS + MLP_TARGETS  # module-name suffixes
-    lora_seed: int = 0  # the adapter's init (A ~ PEFT's kaiming-uniform, B = 0)
+    # the adapter's init (A ~ PEFT's kaiming-uniform, B = 0)
+    lora_seed: int = Field(default=0, ge=0, lt=2**63)
     loss: LossConfig = LossConfig()
 
     @model_validator(mode="after")
@@ -133,8 +153,6 @@ class TrainerConfig(BaseModel):
             )
         if self.lora_rank < 0:
             raise ValueError(f"trainer.lora_rank must be >= 0 (0 = full-parameter), got {self.lora_rank}")
-        if self.lora_rank and self.lora_alpha <= 0:
-            raise ValueError(f"trainer.lora_alpha must be > 0, got {self.lora_alpha}")
         known = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
         unknown = [m for m in self.lora_target_modules if m not in known]
         if self.lora_rank and (unknown or not self.lora_target_modules):
