@@ -38,7 +38,7 @@ from inflight.api import (
 )
 from inflight.api.access_log import REQUEST_LOGGER, AccessLogMiddleware
 from inflight.api.archives import ArchiveLinkError, ArchiveSigner
-from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_listening
+from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_listening, scope_tenant
 from inflight.api.checkpoints import CheckpointExpiredError, CheckpointNotFoundError, CheckpointStore
 from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
@@ -288,7 +288,8 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
         # The SDK numbered this request: answered as a failed future when its seq_id can be read, since a
         # bare 422 would leave a hole that stalls every later request of the training client.
         state = request.app.state.service
-        rejected = await run_in_threadpool(reject_invalid_body, state, request_type, body, detail)
+        tenant = scope_tenant(request.scope)
+        rejected = await run_in_threadpool(reject_invalid_body, state, tenant, request_type, body, detail)
         if rejected is not None:
             return JSONResponse(future_response(rejected).model_dump(mode="json"))
     return JSONResponse({"detail": detail}, status_code=422)

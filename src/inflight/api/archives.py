@@ -3,7 +3,9 @@
 The SDKs that have `get_checkpoint_archive_url` fetch the URL it returns with a plain `urllib` request,
 without the X-API-Key header, so the link carries its own credential: an HMAC of the checkpoint's path and
 the link's expiry under a secret that lives only in this server process (a restart voids every link).
-Knows nothing about HTTP routes or the database; the routes check the checkpoint itself.
+A link given to a tenant that does not own the checkpoint (it may read it only while it is published) is
+signed as such (`shared`), with the same URL, so its download can ask whether the checkpoint is still
+published. Knows nothing about HTTP routes or the database; the routes check the checkpoint itself.
 """
 
 from __future__ import annotations
@@ -35,19 +37,27 @@ class ArchiveLinkError(UserError, PermissionError):
 class ArchiveLink:
     expires: datetime
     signature: str
+    shared: bool = False  # given to a tenant other than the owner: good only while the checkpoint is public
 
 
 class ArchiveSigner:
     def __init__(self, secret: bytes | None = None) -> None:
         self._secret = secret if secret is not None else secrets.token_bytes(32)
 
-    def sign(self, path: CheckpointPath, expires: datetime) -> ArchiveLink:
+    def sign(self, path: CheckpointPath, expires: datetime, *, shared: bool = False) -> ArchiveLink:
         expires = expires.replace(microsecond=0)  # the link carries whole seconds
-        return ArchiveLink(expires, self._signature(path, int(expires.timestamp())))
+        return ArchiveLink(expires, self._signature(path, int(expires.timestamp()), shared), shared)
 
-    def verify(self, path: CheckpointPath, expires_unix: int, signature: str, now: datetime) -> None:
-        expected = self._signature(path, expires_unix)
-        if not hmac.compare_digest(signature.encode(), expected.encode()):
+    def verify(self, path: CheckpointPath, expires_unix: int, signature: str, now: datetime) -> bool:
+        """Whether the link is a shared one (ArchiveLinkError unless this server signed it, either way, and
+        it has not expired)."""
+        given = signature.encode()
+        # Both compared, in constant time, whichever matches: timing says nothing about the kind.
+        matches = [
+            hmac.compare_digest(given, self._signature(path, expires_unix, shared).encode())
+            for shared in (False, True)
+        ]
+        if not any(matches):
             raise ArchiveLinkError(
                 f"the download link of {path} is not valid (a wrong signature, or one signed before the "
                 "server restarted): ask for a new one with get_checkpoint_archive_url"
@@ -58,10 +68,12 @@ class ArchiveSigner:
                 f"the download link of {path} expired at {expired}: ask for a new one with "
                 "get_checkpoint_archive_url"
             )
+        return matches[1]
 
-    def _signature(self, path: CheckpointPath, expires_unix: int) -> str:
-        message = f"{path}\n{expires_unix}".encode()
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+    def _signature(self, path: CheckpointPath, expires_unix: int, shared: bool) -> str:
+        # The owner's links keep the message they always had; a shared link's differs by a last line.
+        message = f"{path}\n{expires_unix}" + ("\nshared" if shared else "")
+        return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
 
 
 class TarStream:

@@ -1,4 +1,5 @@
-"""ASGI guards in front of every route: the X-API-Key check and the request body size limit.
+"""ASGI guards in front of every route: the X-API-Key check (which also names the request's tenant) and the
+request body size limit.
 
 Pure ASGI (no BaseHTTPMiddleware) so long-polls and large bodies pass through without extra buffering
 beyond the size check.
@@ -6,6 +7,7 @@ beyond the size check.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import socket
@@ -19,6 +21,24 @@ from inflight.errors import UserError
 OPEN_PATHS = frozenset({"/api/v1/healthz"})  # load balancers probe without a key
 # Where the key may also come as `Authorization: Bearer KEY`, the header Prometheus' scrape config sends.
 BEARER_PATHS = frozenset({"/metrics"})
+# The tenant of every request to a server without keys (loopback only): one shared namespace. No key's
+# tenant is ever "" (`tenant_of` is 16 hex digits), so rows in it are invisible to every key.
+SHARED_TENANT = ""
+
+
+def tenant_of(api_key: str | bytes) -> str:
+    """The tenant an API key's requests act as: the first 16 hex digits of its SHA-256. Stored with every row
+    a request creates, so the key itself is never stored; 64 bits keep two keys of one server apart."""
+    key = api_key.encode() if isinstance(api_key, str) else api_key
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+def scope_tenant(scope: Scope) -> str:
+    """The tenant `ApiKeyMiddleware` recorded for this request (`request.state.tenant`). A request it let
+    through without a key (an open path, a signed archive link) has none: SHARED_TENANT, which on a server
+    with keys owns nothing a key created."""
+    tenant: str = scope.get("state", {}).get("tenant", SHARED_TENANT)
+    return tenant
 
 
 def is_loopback(host: str) -> bool:
@@ -60,8 +80,10 @@ def check_listening(host: str, api_keys: Sequence[str]) -> list[str]:
 
 
 class ApiKeyMiddleware:
-    """401 unless `X-API-Key` is one of the configured keys (compared in constant time). With no keys
-    configured every route is open (a loopback-only server; `serve` refuses a public bind then).
+    """401 unless `X-API-Key` is one of the configured keys (compared in constant time); a request that
+    passes carries its key's tenant (`tenant_of`) in `scope["state"]["tenant"]`, which the routes read as
+    `request.state.tenant`. With no keys configured every route is open (a loopback-only server; `serve`
+    refuses a public bind then) and every request is SHARED_TENANT.
 
     Paths under `signed_prefix` (checkpoint archive downloads, which the SDK fetches without the key)
     pass to their route, which answers 403 unless the link's own signature verifies. On `BEARER_PATHS` the
@@ -70,13 +92,18 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_keys: list[str], signed_prefix: str | None = None) -> None:
         self.app = app
         self.api_keys = [key.encode() for key in check_api_keys(api_keys)]
+        self.tenants = [tenant_of(key) for key in self.api_keys]  # hashed once, not per request
         self.signed_prefix = signed_prefix
 
     def _open(self, path: str) -> bool:
         return path in OPEN_PATHS or (self.signed_prefix is not None and path.startswith(self.signed_prefix))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.api_keys or self._open(scope["path"]):
+        if scope["type"] != "http" or self._open(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        if not self.api_keys:
+            _set_tenant(scope, SHARED_TENANT)
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -90,7 +117,14 @@ class ApiKeyMiddleware:
             response = JSONResponse({"detail": "missing or invalid X-API-Key header"}, status_code=401)
             await response(scope, receive, send)
             return
+        _set_tenant(scope, self.tenants[matches.index(True)])
         await self.app(scope, receive, send)
+
+
+def _set_tenant(scope: Scope, tenant: str) -> None:
+    # A fresh dict, never the one the server handed in: were that shared between requests (uvicorn copies
+    # its lifespan state per request, other servers need not), a tenant would leak into the next request.
+    scope["state"] = {**scope.get("state", {}), "tenant": tenant}
 
 
 class BodySizeLimitMiddleware:

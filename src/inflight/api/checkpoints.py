@@ -4,6 +4,12 @@ expiry (an expired checkpoint's files are deleted, its row kept, so asking for i
 Owns the directory layout under the state dir and the CheckpointRow lifecycle; the engine writes the
 files (into a staging dir this module hands out) and knows nothing about names or paths.
 
+Ownership: a checkpoint belongs to its model's tenant. The owner may do anything with it; another tenant
+may read it (`reader=`: weights_info, sampling from it, loading it, an archive link) only while it is
+published, and may never delete, publish, unpublish or expire it (`owner=`). To anyone else it does not
+exist: the same CheckpointNotFoundError, with the same words, as a path never saved, and that before its
+expiry is looked at, so neither a 410 nor a message confirms another tenant's path.
+
 Layout: `{root}/{model_id}/{weights|sampler_weights}/{name}/` (the engine's PEFT-style files), with
 `{root}/.staging/` for saves in progress: a save is renamed into place only once complete, so a crash
 never leaves a half-written checkpoint under a real name.
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from inflight.api.db import CheckpointRow, Database, ModelRow, utcnow
@@ -47,6 +53,7 @@ class StoredCheckpoint:
     created_at: datetime
     expires_at: datetime | None
     public: bool = False
+    owner: str = ""  # the tenant of the model that saved it
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ def _stored(row: CheckpointRow) -> StoredCheckpoint:
         created_at=row.created_at,
         expires_at=row.expires_at,
         public=row.published_at is not None,
+        owner=row.tenant,
     )
 
 
@@ -73,11 +81,27 @@ def _live(row: CheckpointRow | None, now: datetime) -> bool:
     return row is not None and (row.expires_at is None or row.expires_at > now)
 
 
-def _live_row(session: Session, path: CheckpointPath, now: datetime) -> CheckpointRow:
-    """The row of an unexpired checkpoint, or the error that says why there is none."""
-    row = session.get(CheckpointRow, str(path))
+def not_found_error(path: CheckpointPath | str) -> CheckpointNotFoundError:
+    """What asking for a checkpoint one may not see answers: the words of one never saved."""
+    return CheckpointNotFoundError(f"no checkpoint {path}: it was never saved, or was deleted")
+
+
+def _visible(row: CheckpointRow | None, tenant: str | None, *, published_ok: bool) -> bool:
+    """Whether `tenant` may see `row` at all: its owner, or (`published_ok`) anyone while it is published.
+    `tenant` None: the server itself (the worker, a signed link), which sees everything."""
     if row is None:
-        raise CheckpointNotFoundError(f"no checkpoint {path}: it was never saved, or was deleted")
+        return False
+    return tenant is None or row.tenant == tenant or (published_ok and row.published_at is not None)
+
+
+def _live_row(
+    session: Session, path: CheckpointPath, now: datetime, tenant: str | None, *, published_ok: bool
+) -> CheckpointRow:
+    """The row of an unexpired checkpoint `tenant` may see (`_visible`), or the error that says why there
+    is none: not found first, so another tenant's expired checkpoint answers as one never saved."""
+    row = session.get(CheckpointRow, str(path))
+    if row is None or not _visible(row, tenant, published_ok=published_ok):
+        raise not_found_error(path)
     if not _live(row, now):
         assert row.expires_at is not None
         raise CheckpointExpiredError(
@@ -110,10 +134,18 @@ class CheckpointStore:
             return _live(session.get(CheckpointRow, str(path)), utcnow())
 
     def commit(
-        self, path: CheckpointPath, staged: Path, *, size_bytes: int, ttl_seconds: int | None, overwrite: bool
+        self,
+        path: CheckpointPath,
+        staged: Path,
+        *,
+        size_bytes: int,
+        ttl_seconds: int | None,
+        overwrite: bool,
+        tenant: str,
     ) -> StoredCheckpoint:
-        """Move a finished save into place and record it; the row is written last, so a crash in between
-        leaves only a directory without a row, which the next save of that name replaces."""
+        """Move a finished save into place and record it, owned by `tenant` (its model's); the row is
+        written last, so a crash in between leaves only a directory without a row, which the next save of
+        that name replaces."""
         final = self.final_dir(path)
         now = utcnow()
         with self.db.write() as session:
@@ -129,7 +161,11 @@ class CheckpointStore:
             staged.rename(final)
             if row is None:
                 row = CheckpointRow(
-                    tinker_path=str(path), model_id=path.model_id, kind=path.kind, name=path.name
+                    tinker_path=str(path),
+                    model_id=path.model_id,
+                    kind=path.kind,
+                    name=path.name,
+                    tenant=tenant,
                 )
                 session.add(row)
             row.storage_dir = str(final)
@@ -140,34 +176,40 @@ class CheckpointStore:
             session.flush()
             return _stored(row)
 
-    def get(self, path: str | CheckpointPath) -> StoredCheckpoint:
+    def get(self, path: str | CheckpointPath, *, reader: str | None) -> StoredCheckpoint:
+        """The unexpired checkpoint, if `reader` owns it or it is published (None: the server itself)."""
         parsed = parse_checkpoint_path(path) if isinstance(path, str) else path
         with self.db.read() as session:
-            return _stored(_live_row(session, parsed, utcnow()))
+            return _stored(_live_row(session, parsed, utcnow(), reader, published_ok=True))
 
-    def set_public(self, path: CheckpointPath, public: bool) -> StoredCheckpoint:
-        """Publish or unpublish; idempotent (the SDK retries a call whose answer it lost)."""
+    def set_public(self, path: CheckpointPath, public: bool, *, owner: str) -> StoredCheckpoint:
+        """Publish or unpublish `owner`'s checkpoint; idempotent (the SDK retries a call whose answer it
+        lost)."""
         now = utcnow()
         with self.db.write() as session:
-            row = _live_row(session, path, now)
+            row = _live_row(session, path, now, owner, published_ok=False)
             if public and row.published_at is None:
                 row.published_at = now
             elif not public:
                 row.published_at = None
             return _stored(row)
 
-    def set_ttl(self, path: CheckpointPath, ttl_seconds: int | None) -> StoredCheckpoint:
-        """Expire the checkpoint `ttl_seconds` from now, or never (None)."""
+    def set_ttl(self, path: CheckpointPath, ttl_seconds: int | None, *, owner: str) -> StoredCheckpoint:
+        """Expire `owner`'s checkpoint `ttl_seconds` from now, or never (None)."""
         now = utcnow()
         with self.db.write() as session:
-            row = _live_row(session, path, now)
+            row = _live_row(session, path, now, owner, published_ok=False)
             row.expires_at = None if ttl_seconds is None else now + timedelta(seconds=ttl_seconds)
             return _stored(row)
 
-    def list_all(self, *, limit: int, offset: int) -> tuple[int, list[StoredCheckpoint]]:
-        """Every unexpired checkpoint of every run, newest first, one page; and how many there are."""
+    def list_all(self, *, tenant: str, limit: int, offset: int) -> tuple[int, list[StoredCheckpoint]]:
+        """Every unexpired checkpoint of `tenant`'s runs (not others' published ones: a listing is what
+        one owns), newest first, one page; and how many there are."""
         now = utcnow()
-        live = or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now)
+        live = and_(
+            CheckpointRow.tenant == tenant,
+            or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now),
+        )
         with self.db.read() as session:
             total = session.scalar(select(func.count()).select_from(CheckpointRow).where(live)) or 0
             rows = session.scalars(
@@ -179,8 +221,9 @@ class CheckpointStore:
             ).all()
             return total, [_stored(row) for row in rows]
 
-    def source(self, path: str) -> CheckpointSource:
-        checkpoint = self.get(path)
+    def source(self, path: str, *, reader: str | None) -> CheckpointSource:
+        """What the checkpoint was trained from, if `reader` may read it (`get`)."""
+        checkpoint = self.get(path, reader=reader)
         with self.db.read() as session:
             model = session.get(ModelRow, checkpoint.path.model_id)
             assert model is not None, "checkpoint rows reference their model (foreign key)"
@@ -196,11 +239,11 @@ class CheckpointStore:
             ).all()
             return [_stored(row) for row in rows if _live(row, now)]
 
-    def delete(self, path: CheckpointPath) -> None:
-        """Delete a checkpoint, expired ones included (their row goes too)."""
+    def delete(self, path: CheckpointPath, *, owner: str) -> None:
+        """Delete `owner`'s checkpoint, expired ones included (their row goes too)."""
         with self.db.write() as session:
             row = session.get(CheckpointRow, str(path))
-            if row is None:
+            if row is None or not _visible(row, owner, published_ok=False):
                 raise CheckpointNotFoundError(f"no checkpoint {path} to delete")
             storage_dir = row.storage_dir
             session.delete(row)

@@ -29,7 +29,8 @@ from sqlalchemy import (
     inspect,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, Session, mapped_column, sessionmaker
+from sqlalchemy.schema import CreateColumn
 from sqlalchemy.types import TypeDecorator
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -68,6 +69,15 @@ class UtcDateTime(TypeDecorator[datetime]):
 _RequestIdType = BigInteger().with_variant(Integer(), "sqlite")
 
 
+def tenant_column(*, index: bool = False) -> MappedColumn[str]:
+    """Who created the row: the tenant of the API key the request came with (`auth.tenant_of`), "" on a
+    server without keys. Not null with a server default of "", so a database written before tenants
+    existed gains the column with every old row in tenant "" (`_add_missing_columns`): visible to the
+    keyless server that made them and to no key. Indexed where a listing filters on it; every other
+    lookup is by primary key and compares it in Python."""
+    return mapped_column(String(64), default="", server_default="", index=index)
+
+
 class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {
         datetime: UtcDateTime,
@@ -88,6 +98,7 @@ class SessionRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_count: Mapped[int] = mapped_column(default=0)
+    tenant: Mapped[str] = tenant_column()
 
 
 class ModelRow(Base):
@@ -107,6 +118,7 @@ class ModelRow(Base):
     status: Mapped[str] = mapped_column(String(16), default="creating")
     user_metadata: Mapped[dict[str, Any] | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    tenant: Mapped[str] = tenant_column(index=True)  # list_training_runs lists one tenant's
 
 
 class FutureRow(Base):
@@ -136,6 +148,7 @@ class FutureRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    tenant: Mapped[str] = tenant_column()  # retrieve_future and cancel_future answer only their creator
 
 
 class CheckpointRow(Base):
@@ -152,6 +165,9 @@ class CheckpointRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None]
     published_at: Mapped[datetime | None]  # set while the checkpoint is public (publish / unpublish)
+    # Its model's tenant: the owner, the only one who may delete, publish or expire it; others may read it
+    # (weights_info, sample, load, download) while it is published.
+    tenant: Mapped[str] = tenant_column(index=True)
 
 
 class SamplingSessionRow(Base):
@@ -169,6 +185,7 @@ class SamplingSessionRow(Base):
     # snapshot of the adapter (lost on restart, unlike a model_path checkpoint).
     snapshot_key: Mapped[str | None] = mapped_column(String(256))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    tenant: Mapped[str] = tenant_column()
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -201,8 +218,10 @@ def _prepare_sqlite_file(url: str) -> None:
 
 
 def _add_missing_columns(engine: Engine) -> None:
-    """The one kind of migration so far: a column added to an existing table (always nullable) is added
-    with ALTER TABLE, so a state directory written by an older version still opens. Nothing is dropped."""
+    """The one kind of migration so far: a column added to an existing table (nullable, or not null with a
+    server default that fills the old rows) is added with ALTER TABLE, and an index missing from an existing
+    table is created (`create_all` skips the indexes of tables that exist), so a state directory written by
+    an older version still opens. Nothing is dropped."""
     inspector = inspect(engine)
     present = {name: {c["name"] for c in inspector.get_columns(name)} for name in inspector.get_table_names()}
     missing = [
@@ -211,13 +230,26 @@ def _add_missing_columns(engine: Engine) -> None:
         for column in table.columns
         if table.name in present and column.name not in present[table.name]
     ]
-    if not missing:
+    indexes = {name: {i["name"] for i in inspector.get_indexes(name)} for name in present}
+    missing_indexes = [
+        index
+        for table in Base.metadata.sorted_tables
+        if table.name in present
+        for index in table.indexes
+        if index.name not in indexes[table.name]
+    ]
+    if not missing and not missing_indexes:
         return
     with engine.begin() as connection:
         for table_name, column in missing:
-            assert column.nullable, f"{table_name}.{column.name}: an added column must be nullable"
-            column_type = column.type.compile(dialect=engine.dialect)
-            connection.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {column.name} {column_type}")
+            assert column.nullable or column.server_default is not None, (
+                f"{table_name}.{column.name}: an added column must be nullable or have a server default"
+            )
+            # The column as CREATE TABLE would spell it (type, DEFAULT, NOT NULL): portable DDL.
+            definition = CreateColumn(column).compile(dialect=engine.dialect)
+            connection.exec_driver_sql(f"ALTER TABLE {table_name} ADD COLUMN {definition}")
+        for index in missing_indexes:
+            index.create(connection, checkfirst=True)
 
 
 class Database:

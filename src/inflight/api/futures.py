@@ -102,6 +102,7 @@ class Future:
     error_category: ErrorCategory | None
     created_at: datetime
     finished_at: datetime | None
+    tenant: str = ""  # who submitted it (auth.tenant_of); only they may retrieve or cancel it
 
     @property
     def finished(self) -> bool:
@@ -130,7 +131,16 @@ def _to_future(row: Row[Any]) -> Future:
         error_category=cast(ErrorCategory | None, row.error_category),
         created_at=row.created_at,
         finished_at=row.finished_at,
+        tenant=row.tenant,
     )
+
+
+def check_owner(future: Future, tenant: str | None, request_id: str) -> Future:
+    """`future`, unless `tenant` is given and did not submit it: then UnknownFutureError, worded as for a
+    `request_id` (as the client wrote it) that names nothing, so another tenant's ids are never confirmed."""
+    if tenant is not None and future.tenant != tenant:
+        raise UnknownFutureError(f"unknown request_id {request_id!r}")
+    return future
 
 
 def _parse_request_id(request_id: str) -> int:
@@ -154,12 +164,14 @@ class FutureStore:
         *,
         max_seq_ahead: int | None = None,
         on_inserted: Callable[[Future], None] | None = None,
+        tenant: str = "",
     ) -> Future:
         """Queue a request, committed before this returns (a restart keeps it). The same (model_id, seq_id)
         with the same type and payload returns the original future (SDK retries); with a different one it
         raises SeqIdConflictError. With `max_seq_ahead`, a new seq_id more than that far above the model's
         highest is refused (UserError), checked in the same transaction. `on_inserted` gets a newly
-        inserted future before the commit, so before any engine can claim and finish it."""
+        inserted future before the commit, so before any engine can claim and finish it. `tenant`: the
+        submitter's (the caller has checked that `model_id` is theirs), recorded with the row."""
         return self._insert(
             model_id,
             seq_id,
@@ -168,6 +180,7 @@ class FutureStore:
             failure=None,
             max_seq_ahead=max_seq_ahead,
             on_inserted=on_inserted,
+            tenant=tenant,
         )
 
     def reject(
@@ -179,6 +192,7 @@ class FutureStore:
         error: str,
         *,
         max_seq_ahead: int | None = None,
+        tenant: str = "",
     ) -> Future:
         """Record a request that is invalid but names a valid seq_id, as already failed (category user).
 
@@ -192,11 +206,13 @@ class FutureStore:
             failure=error,
             max_seq_ahead=max_seq_ahead,
             on_inserted=None,
+            tenant=tenant,
         )
 
-    def get(self, request_id: str) -> Future:
+    def get(self, request_id: str, *, tenant: str | None = None) -> Future:
+        """The future; with `tenant`, only if that tenant submitted it (else as unknown: `check_owner`)."""
         with self.db.read_connection() as connection:
-            return _to_future(_row(connection, request_id))
+            return check_owner(_to_future(_row(connection, request_id)), tenant, request_id)
 
     def claim_next(self, model_id: str) -> Future | None:
         """Mark the model's next future running and return it, or None while the next seq_id is missing.
@@ -255,14 +271,16 @@ class FutureStore:
         """Fail a pending or running future; the SDK raises RequestFailedError(category) for it."""
         return self._finish(request_id, ("pending", "running"), status="failed", error=(error, category))
 
-    def cancel(self, request_id: str) -> Future:
+    def cancel(self, request_id: str, *, tenant: str | None = None) -> Future:
         """Fail a pending or running sample with CANCELLED_ERROR (category user); idempotent once cancelled.
 
         Only samples: they read frozen weights and nothing waits on their seq_id, whereas cancelling a
-        training request would leave its effects half-applied. The caller stops the running work.
+        training request would leave its effects half-applied. The caller stops the running work. With
+        `tenant`, another tenant's future is unknown, checked before anything about it is said.
         """
         with self.db.write_connection() as connection:
             row = _row(connection, request_id, for_update=True)
+            check_owner(_to_future(row), tenant, request_id)
             if row.request_type != RequestType.SAMPLE.value:
                 raise UserError(
                     f"request {request_id} is a {row.request_type} request; only sample requests can be "
@@ -373,6 +391,7 @@ class FutureStore:
         failure: str | None,
         max_seq_ahead: int | None,
         on_inserted: Callable[[Future], None] | None,
+        tenant: str,
     ) -> Future:
         if seq_id is None and request_type.ordered:
             raise ValueError(f"{request_type} futures need a seq_id: they execute in seq_id order")
@@ -400,6 +419,7 @@ class FutureStore:
                         "error_category": None if failure is None else "user",
                         "created_at": now,
                         "finished_at": None if failure is None else now,
+                        "tenant": tenant,
                     },
                 ).one()  # raises IntegrityError on a concurrent duplicate
                 future = _to_future(row)

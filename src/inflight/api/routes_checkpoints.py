@@ -1,5 +1,9 @@
 """Training runs and their checkpoints: list (per run and across runs), get, delete, publish and unpublish,
-TTL, weights_info (spec §4 O routes, §9). Archive download is in routes_archives.py."""
+TTL, weights_info (spec §4 O routes, §9). Archive download is in routes_archives.py.
+
+Everything is the caller's tenant's: listings list only its runs and checkpoints, another tenant's run is
+unknown (404), and only the owner may delete, publish, unpublish or expire a checkpoint. weights_info (like
+sampling from and loading a checkpoint) also reads another tenant's checkpoint while it is published."""
 
 from __future__ import annotations
 
@@ -21,12 +25,12 @@ from inflight.api.schemas import (
     WeightsInfoRequest,
     WeightsInfoResponse,
 )
-from inflight.api.service import ServiceState, StateDep
+from inflight.api.service import ServiceState, StateDep, TenantDep
 from inflight.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
 
-MODEL_OWNER = "inflight"  # one tenant namespace: every key sees every run
+MODEL_OWNER = "inflight"  # a run is listed only to its own tenant, so the owner is always the caller
 _FOLDER_KINDS: dict[str, CheckpointKind] = {"weights": "state", "sampler_weights": "sampler"}
 
 
@@ -41,70 +45,81 @@ def folder_kind(folder: str) -> CheckpointKind:
 @router.get("/training_runs")
 def list_training_runs(
     state: StateDep,
+    tenant: TenantDep,
     limit: int = Query(default=20, ge=1, le=1000),
     offset: int = Query(default=0, ge=0, le=MAX_COUNT),  # SQLite and PostgreSQL take 64-bit offsets only
 ) -> TrainingRunsResponse:
+    mine = ModelRow.tenant == tenant
     with state.db.read() as session:
-        total = session.scalar(select(func.count()).select_from(ModelRow)) or 0
+        total = session.scalar(select(func.count()).select_from(ModelRow).where(mine)) or 0
         model_ids = session.scalars(
             select(ModelRow.model_id)
+            .where(mine)
             .order_by(ModelRow.created_at, ModelRow.model_id)
             .offset(offset)
             .limit(limit)
         ).all()
     return TrainingRunsResponse(
-        training_runs=[_training_run(state, model_id) for model_id in model_ids],
+        training_runs=[_training_run(state, model_id, tenant) for model_id in model_ids],
         cursor=Cursor(offset=offset, limit=limit, total_count=total),
     )
 
 
 @router.get("/training_runs/{model_id}")
-def get_training_run(model_id: str, state: StateDep) -> TrainingRun:
-    return _training_run(state, check_model_id(model_id))
+def get_training_run(model_id: str, state: StateDep, tenant: TenantDep) -> TrainingRun:
+    return _training_run(state, check_model_id(model_id), tenant)
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
-def list_checkpoints(model_id: str, state: StateDep) -> CheckpointsListResponse:
-    state.model(check_model_id(model_id))
+def list_checkpoints(model_id: str, state: StateDep, tenant: TenantDep) -> CheckpointsListResponse:
+    state.model(check_model_id(model_id), tenant=tenant)
     return CheckpointsListResponse(checkpoints=[_info(c) for c in state.checkpoints.for_model(model_id)])
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{folder}/{name}")
-def delete_checkpoint(model_id: str, folder: str, name: str, state: StateDep) -> dict[str, str]:
+def delete_checkpoint(
+    model_id: str, folder: str, name: str, state: StateDep, tenant: TenantDep
+) -> dict[str, str]:
     path = checkpoint_path(model_id, folder_kind(folder), name)
-    state.checkpoints.delete(path)
+    state.checkpoints.delete(path, owner=tenant)
     return {"deleted": str(path)}
 
 
 @router.post("/training_runs/{model_id}/checkpoints/{folder}/{name}/publish")
-def publish_checkpoint(model_id: str, folder: str, name: str, state: StateDep) -> CheckpointInfo:
-    """Idempotent, unlike the SDK's documented 409 for "already public": the SDK retries a 409 for minutes."""
+def publish_checkpoint(
+    model_id: str, folder: str, name: str, state: StateDep, tenant: TenantDep
+) -> CheckpointInfo:
+    """Idempotent, unlike the SDK's documented 409 for "already public": the SDK retries a 409 for minutes.
+    Published, other tenants may read the checkpoint through its tinker:// path (sample, load, download)."""
     path = checkpoint_path(model_id, folder_kind(folder), name)
-    return _info(state.checkpoints.set_public(path, True))
+    return _info(state.checkpoints.set_public(path, True, owner=tenant))
 
 
 @router.delete("/training_runs/{model_id}/checkpoints/{folder}/{name}/publish")
-def unpublish_checkpoint(model_id: str, folder: str, name: str, state: StateDep) -> CheckpointInfo:
+def unpublish_checkpoint(
+    model_id: str, folder: str, name: str, state: StateDep, tenant: TenantDep
+) -> CheckpointInfo:
     path = checkpoint_path(model_id, folder_kind(folder), name)
-    return _info(state.checkpoints.set_public(path, False))
+    return _info(state.checkpoints.set_public(path, False, owner=tenant))
 
 
 @router.put("/training_runs/{model_id}/checkpoints/{folder}/{name}/ttl")
 def set_checkpoint_ttl(
-    model_id: str, folder: str, name: str, body: SetCheckpointTtlRequest, state: StateDep
+    model_id: str, folder: str, name: str, body: SetCheckpointTtlRequest, state: StateDep, tenant: TenantDep
 ) -> CheckpointInfo:
     path = checkpoint_path(model_id, folder_kind(folder), name)
-    return _info(state.checkpoints.set_ttl(path, body.ttl_seconds))
+    return _info(state.checkpoints.set_ttl(path, body.ttl_seconds, owner=tenant))
 
 
 @router.get("/checkpoints")
 def list_user_checkpoints(
     state: StateDep,
+    tenant: TenantDep,
     limit: int = Query(default=100, ge=1, le=1000),
     offset: int = Query(default=0, ge=0, le=MAX_COUNT),
 ) -> CheckpointsListResponse:
-    """Every run's checkpoints, newest first: every key sees every run (one tenant namespace)."""
-    total, checkpoints = state.checkpoints.list_all(limit=limit, offset=offset)
+    """The caller's checkpoints across its runs, newest first (not other tenants' published ones)."""
+    total, checkpoints = state.checkpoints.list_all(tenant=tenant, limit=limit, offset=offset)
     return CheckpointsListResponse(
         checkpoints=[_info(c) for c in checkpoints],
         cursor=Cursor(offset=offset, limit=limit, total_count=total),
@@ -112,8 +127,8 @@ def list_user_checkpoints(
 
 
 @router.post("/weights_info")
-def weights_info(body: WeightsInfoRequest, state: StateDep) -> WeightsInfoResponse:
-    source = state.checkpoints.source(str(parse_checkpoint_path(body.tinker_path)))
+def weights_info(body: WeightsInfoRequest, state: StateDep, tenant: TenantDep) -> WeightsInfoResponse:
+    source = state.checkpoints.source(str(parse_checkpoint_path(body.tinker_path)), reader=tenant)
     lora = LoraConfig.model_validate(source.lora_config)
     return WeightsInfoResponse(
         base_model=source.base_model,
@@ -124,8 +139,8 @@ def weights_info(body: WeightsInfoRequest, state: StateDep) -> WeightsInfoRespon
     )
 
 
-def _training_run(state: ServiceState, model_id: str) -> TrainingRun:
-    row = state.model(model_id)
+def _training_run(state: ServiceState, model_id: str, tenant: str) -> TrainingRun:
+    row = state.model(model_id, tenant=tenant)
     with state.db.read() as session:
         last_request = session.scalar(
             select(func.max(FutureRow.created_at)).where(FutureRow.model_id == model_id)

@@ -25,6 +25,7 @@ _ERRORS_NAMED = 5
 
 def submit(
     state: ServiceState,
+    tenant: str,
     model_id: str,
     seq_id: int,
     request_type: RequestType,
@@ -32,9 +33,10 @@ def submit(
     *,
     check: Callable[[], object] | None = None,
 ) -> Future:
-    """Queue a request. A `check` that raises UserError records the request as failed (category user)
-    instead: the SDK has already counted its seq_id, so leaving a hole would stall every later request.
-    Either way the row is committed before this returns, so an acknowledged request survives a restart."""
+    """Queue `tenant`'s request on `model_id` (the caller has checked the model is theirs: `model_base`).
+    A `check` that raises UserError records the request as failed (category user) instead: the SDK has
+    already counted its seq_id, so leaving a hole would stall every later request. Either way the row,
+    with its tenant, is committed before this returns, so an acknowledged request survives a restart."""
     # An ordered seq_id far above the model's highest is surely a client bug: refused, and never recorded.
     max_seq_ahead = state.config.max_seq_id_ahead if request_type.ordered else None
     error: str | None = None
@@ -45,7 +47,7 @@ def submit(
             error = str(err)
     if error is not None:
         future = state.store.reject(
-            model_id, seq_id, request_type, payload, error, max_seq_ahead=max_seq_ahead
+            model_id, seq_id, request_type, payload, error, max_seq_ahead=max_seq_ahead, tenant=tenant
         )
     else:
         future = state.store.submit(
@@ -55,6 +57,7 @@ def submit(
             payload,
             max_seq_ahead=max_seq_ahead,
             on_inserted=state.board.accepted,
+            tenant=tenant,
         )
         state.wake(request_type, future)
     annotate_future(future)
@@ -79,7 +82,7 @@ def invalid_body_detail(errors: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def reject_invalid_body(
-    state: ServiceState, request_type: RequestType, body: object, detail: list[dict[str, Any]]
+    state: ServiceState, tenant: str, request_type: RequestType, body: object, detail: list[dict[str, Any]]
 ) -> Future | None:
     """Record an ordered request whose body failed validation (`detail`, as its 422 would carry it) as an
     already failed future (category user) under its seq_id, when the body names a model and seq_id that
@@ -106,7 +109,7 @@ def reject_invalid_body(
     # The same bytes again (an SDK retry) make the same payload, so a retry finds this future.
     payload = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True).encode()
     try:
-        state.model_base(header.model_id)
-        return submit(state, header.model_id, header.seq_id, request_type, payload, check=refuse)
-    except UserError:  # no such model, a seq_id too far ahead or already taken: the 422 says enough
+        state.model_base(header.model_id, tenant=tenant)
+        return submit(state, tenant, header.model_id, header.seq_id, request_type, payload, check=refuse)
+    except UserError:  # no such model (of this tenant), a seq_id too far ahead or taken: the 422 says enough
         return None

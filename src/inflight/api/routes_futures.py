@@ -4,7 +4,8 @@ sample it abandoned (a pending one never runs, a running one leaves the engine a
 Hold a pending future up to `long_poll_hold_s` (~25 s, below the SDK's 45 s timeout) and answer as soon as
 the worker has committed its result (handed over in memory, not read back), else `try_again` (the SDK
 re-polls at once). Results go out as stored: protobuf for forward/forward_backward/sample, JSON for the
-rest; a failure is HTTP 200 + {"error", "category"}.
+rest; a failure is HTTP 200 + {"error", "category"}. Only the tenant that submitted a future may retrieve or
+cancel it; to any other its id is unknown (404), worded as for an id that names nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
 from inflight.api.access_log import annotate, annotate_future
-from inflight.api.futures import Future, RequestType
+from inflight.api.futures import Future, RequestType, check_owner
 from inflight.api.proto import PROTO_CONTENT_TYPE
 from inflight.api.schemas import (
     CancelFutureRequest,
@@ -25,7 +26,7 @@ from inflight.api.schemas import (
     TryAgainResponse,
     unfinished_or_failed,
 )
-from inflight.api.service import StateDep
+from inflight.api.service import StateDep, TenantDep
 
 router = APIRouter(prefix="/api/v1")
 
@@ -35,7 +36,7 @@ RECHECK_S = 1.0
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(body: FutureRetrieveRequest, state: StateDep) -> Response:
+async def retrieve_future(body: FutureRetrieveRequest, state: StateDep, tenant: TenantDep) -> Response:
     annotate(request_id=body.request_id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.config.long_poll_hold_s
@@ -50,6 +51,7 @@ async def retrieve_future(body: FutureRetrieveRequest, state: StateDep) -> Respo
             if future is None:
                 future = await run_in_threadpool(state.store.get, body.request_id)
             accepted = None
+            check_owner(future, tenant, body.request_id)  # the future in hand: no read of its own
             annotate_future(future)
             if future.finished:
                 return _answer(future)
@@ -61,12 +63,13 @@ async def retrieve_future(body: FutureRetrieveRequest, state: StateDep) -> Respo
 
 
 @router.post("/cancel_future")
-def cancel_future(body: CancelFutureRequest, state: StateDep) -> dict[str, str]:
-    """Cancel a pending or running sample: 404 unknown id, 400 finished or not a sample, idempotent.
+def cancel_future(body: CancelFutureRequest, state: StateDep, tenant: TenantDep) -> dict[str, str]:
+    """Cancel a pending or running sample: 404 unknown id (or another tenant's), 400 finished or not a
+    sample, idempotent.
 
     The database first (the cancel is then final: a result arriving later is dropped), then the engine."""
     annotate(request_id=body.request_id)
-    future = state.store.cancel(body.request_id)
+    future = state.store.cancel(body.request_id, tenant=tenant)
     annotate_future(future)
     state.cancel_sample(future.request_id)
     state.board.notify(future.request_id, future)  # long-polls answer the cancellation at once

@@ -2,17 +2,23 @@
 
 A sampling session names frozen weights: a sampler checkpoint (model_path), the bare base model, or an
 in-memory snapshot that save_weights_for_sampler made (the worker creates those sessions).
+
+A sampling session belongs to the tenant whose session created it; to any other its id is unknown. One made
+from another tenant's checkpoint (allowed while that checkpoint is published) samples only while it still
+is: asample reads the checkpoint's owner and publication with the session's row, in the same query.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
 from inflight.api.access_log import annotate
-from inflight.api.db import SamplingSessionRow
+from inflight.api.checkpoints import not_found_error
+from inflight.api.db import CheckpointRow, SamplingSessionRow
 from inflight.api.futures import RequestType
 from inflight.api.ids import new_sampling_session_id, parse_checkpoint_path
 from inflight.api.routes_common import parse_body, submit
@@ -24,7 +30,7 @@ from inflight.api.schemas import (
     UntypedAPIFuture,
     future_response,
 )
-from inflight.api.service import NotFoundError, ServiceState, StateDep
+from inflight.api.service import NotFoundError, ServiceState, StateDep, TenantDep
 from inflight.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -32,14 +38,14 @@ router = APIRouter(prefix="/api/v1")
 
 @router.post("/create_sampling_session")
 def create_sampling_session(
-    body: CreateSamplingSessionRequest, state: StateDep
+    body: CreateSamplingSessionRequest, state: StateDep, tenant: TenantDep
 ) -> CreateSamplingSessionResponse:
     annotate(session_id=body.session_id)
-    state.session(body.session_id)
+    state.session(body.session_id, tenant=tenant)
     model_path: str | None = None
     if body.model_path is not None:
         model_path = str(parse_checkpoint_path(body.model_path))
-        base_model = state.checkpoints.source(model_path).base_model
+        base_model = state.checkpoints.source(model_path, reader=tenant).base_model
         if body.base_model is not None and body.base_model != base_model:
             raise UserError(f"{model_path} was trained on {base_model!r}, not {body.base_model!r}")
     elif body.base_model is not None:
@@ -59,11 +65,12 @@ def create_sampling_session(
                         sampling_session_seq_id=body.sampling_session_seq_id,
                         base_model=base_model,
                         model_path=model_path,
+                        tenant=tenant,
                     )
                 )
                 row = None
     except IntegrityError:  # a concurrent retry inserted it first
-        row = _sampling_session(state, sampling_session_id)
+        row = _sampling_session(state, sampling_session_id, tenant)
     if row is not None and (row.base_model, row.model_path, row.snapshot_key) != wanted:
         raise UserError(
             f"sampling_session_seq_id {body.sampling_session_seq_id} of session {body.session_id!r} already "
@@ -74,24 +81,24 @@ def create_sampling_session(
 
 
 @router.get("/samplers/{sampler_id}")
-def get_sampler(sampler_id: str, state: StateDep) -> GetSamplerResponse:
-    row = _sampling_session(state, sampler_id)
+def get_sampler(sampler_id: str, state: StateDep, tenant: TenantDep) -> GetSamplerResponse:
+    row = _sampling_session(state, sampler_id, tenant)
     return GetSamplerResponse(
         sampler_id=row.sampling_session_id, base_model=row.base_model, model_path=row.model_path
     )
 
 
 @router.post("/asample")
-async def asample(request: Request, state: StateDep) -> UntypedAPIFuture:
+async def asample(request: Request, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
     """Samples of all sessions and adapters are batched by the worker; the promise carries one sequence id
     per requested sample, which the SDK stamps on the returned sequences in order. The body (long prompts,
     prompt logprob targets) is parsed in the thread pool, as forward_backward's is: on the event loop a
     large one would stall every other request meanwhile."""
     raw = await request.body()
-    return await run_in_threadpool(_asample, state, raw)
+    return await run_in_threadpool(_asample, state, tenant, raw)
 
 
-def _asample(state: ServiceState, raw: bytes) -> UntypedAPIFuture:
+def _asample(state: ServiceState, tenant: str, raw: bytes) -> UntypedAPIFuture:
     body = parse_body(SampleRequest, raw)
     if body.sampling_session_id is None or body.seq_id is None:
         raise UserError(
@@ -99,7 +106,7 @@ def _asample(state: ServiceState, raw: bytes) -> UntypedAPIFuture:
             "base_model/model_path alone is the pre-0.18 protocol and is not served"
         )
     annotate(sampling_session_id=body.sampling_session_id)
-    row = _sampling_session(state, body.sampling_session_id)
+    row = _sampling_session(state, body.sampling_session_id, tenant, sampling=True)
     limits = state.base_model(row.base_model).limits
 
     # Samples run in no particular order, so a refused one leaves no hole in a queue: answer 400 at once
@@ -114,18 +121,31 @@ def _asample(state: ServiceState, raw: bytes) -> UntypedAPIFuture:
         max_topk_logprobs=state.config.max_topk_logprobs,
     )
     payload = body.model_dump_json().encode()
-    future = submit(state, body.sampling_session_id, body.seq_id, RequestType.SAMPLE, payload)
+    future = submit(state, tenant, body.sampling_session_id, body.seq_id, RequestType.SAMPLE, payload)
     sequence_ids = [f"{future.request_id}-{i}" for i in range(body.num_samples)]
     return future_response(future, sample_sequence_ids=sequence_ids)
 
 
-def _sampling_session(state: ServiceState, sampling_session_id: str) -> SamplingSessionRow:
+def _sampling_session(
+    state: ServiceState, sampling_session_id: str, tenant: str, *, sampling: bool = False
+) -> SamplingSessionRow:
+    """`tenant`'s sampling session (NotFoundError, as for none, if it is another's). `sampling`: also
+    refuse, as a checkpoint never saved, one whose checkpoint is another tenant's and no longer published;
+    its owner and publication come with the row (an outer join), not from a second read."""
     with state.db.read() as session:
-        row = session.get(SamplingSessionRow, sampling_session_id)
-        if row is not None:
-            session.expunge(row)  # keep its loaded values past the read's rollback
-    if row is None:
+        found = session.execute(
+            select(SamplingSessionRow, CheckpointRow.tenant, CheckpointRow.published_at)
+            .outerjoin(CheckpointRow, CheckpointRow.tinker_path == SamplingSessionRow.model_path)
+            .where(SamplingSessionRow.sampling_session_id == sampling_session_id)
+        ).one_or_none()
+        if found is not None:
+            session.expunge(found[0])  # keep its loaded values past the read's rollback
+    if found is None or found[0].tenant != tenant:
         raise NotFoundError(
             f"unknown sampling session {sampling_session_id!r}: create a sampling client first"
         )
+    row, owner, published_at = found
+    # No checkpoint row (deleted, or a base-model or snapshot session): the worker says what is missing.
+    if sampling and row.model_path is not None and owner not in (None, tenant) and published_at is None:
+        raise not_found_error(row.model_path)
     return row

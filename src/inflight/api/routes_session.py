@@ -1,6 +1,7 @@
 """Routes that need no model: client config, health, capabilities, sessions, heartbeats, telemetry.
 
-Thin: validate, read or write one row, answer (spec §4, §5.1).
+Thin: validate, read or write one row, answer (spec §4, §5.1). A session belongs to the tenant that created
+it; to any other its id is unknown.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from inflight.api.schemas import (
     SupportedModel,
     TelemetryResponse,
 )
-from inflight.api.service import StateDep
+from inflight.api.service import StateDep, TenantDep
 
 router = APIRouter(prefix="/api/v1")
 
@@ -62,7 +63,7 @@ def get_server_capabilities(state: StateDep) -> GetServerCapabilitiesResponse:
 
 
 @router.post("/create_session")
-def create_session(body: CreateSessionRequest, state: StateDep) -> CreateSessionResponse:
+def create_session(body: CreateSessionRequest, state: StateDep, tenant: TenantDep) -> CreateSessionResponse:
     session_id = new_session_id()
     with state.db.write() as session:
         session.add(
@@ -71,6 +72,7 @@ def create_session(body: CreateSessionRequest, state: StateDep) -> CreateSession
                 tags=body.tags,
                 user_metadata=body.user_metadata,
                 sdk_version=body.sdk_version,
+                tenant=tenant,
             )
         )
     annotate(session_id=session_id)
@@ -78,9 +80,11 @@ def create_session(body: CreateSessionRequest, state: StateDep) -> CreateSession
 
 
 @router.post("/session_heartbeat")
-def session_heartbeat(body: SessionHeartbeatRequest, state: StateDep) -> SessionHeartbeatResponse:
+def session_heartbeat(
+    body: SessionHeartbeatRequest, state: StateDep, tenant: TenantDep
+) -> SessionHeartbeatResponse:
     annotate(session_id=body.session_id)
-    state.session(body.session_id)
+    state.session(body.session_id, tenant=tenant)
     with state.db.write() as session:
         row = session.get(SessionRow, body.session_id)
         if row is not None:
@@ -90,10 +94,12 @@ def session_heartbeat(body: SessionHeartbeatRequest, state: StateDep) -> Session
 
 
 @router.post("/sessions/{session_id}/finish")
-def finish_session(session_id: str, body: FinishSessionRequest, state: StateDep) -> dict[str, str]:
+def finish_session(
+    session_id: str, body: FinishSessionRequest, state: StateDep, tenant: TenantDep
+) -> dict[str, str]:
     """Marks the session finished; the worker unloads its adapters once their queues drain. Checkpoints
     stay. The first reason wins, as in the SDK's contract."""
-    state.session(check_session_id(session_id))
+    state.session(check_session_id(session_id), tenant=tenant)
     with state.db.write() as session:
         row = session.get(SessionRow, session_id)
         if row is not None and row.status != "finished":

@@ -1,5 +1,10 @@
 """Training routes: create_model, get_info, forward_backward (protobuf or JSON), forward (JSON), optim_step,
 save_weights, save_weights_for_sampler, load_weights. Thin: validate, write a future, return it (§4, §7).
+
+A model belongs to the tenant whose session created it: to any other, its id is unknown (404) on every
+route, checked through `model_base`'s cache, so the check costs the hot path no database read. Loading
+from a checkpoint path reads it as the caller (`CheckpointStore.source(reader=...)`): its own, or another
+tenant's published one.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from inflight.api.schemas import (
     UntypedAPIFuture,
     future_response,
 )
-from inflight.api.service import ServiceState, StateDep
+from inflight.api.service import ServiceState, StateDep, TenantDep
 from inflight.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -54,14 +59,16 @@ ORDERED_BODY_ROUTES: dict[str, RequestType] = {
 
 
 @router.post("/create_model")
-def create_model(body: CreateModelRequest, state: StateDep) -> UntypedAPIFuture:
-    state.session(body.session_id)
+def create_model(body: CreateModelRequest, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
+    state.session(body.session_id, tenant=tenant)
     state.base_model(body.base_model)
     _check_new_model(state, body.lora_config, body.optimizer_config.type)
     new_id = model_id(body.session_id, body.model_seq_id)
-    _ensure_model_row(state, new_id, body.session_id, body.model_seq_id, body.base_model, body.lora_config)
+    _ensure_model_row(
+        state, tenant, new_id, body.session_id, body.model_seq_id, body.base_model, body.lora_config
+    )
     future = state.store.submit(
-        new_id, FIRST_SEQ_ID, RequestType.CREATE_MODEL, body.model_dump_json().encode()
+        new_id, FIRST_SEQ_ID, RequestType.CREATE_MODEL, body.model_dump_json().encode(), tenant=tenant
     )
     state.wake(RequestType.CREATE_MODEL)
     annotate_future(future)
@@ -69,8 +76,8 @@ def create_model(body: CreateModelRequest, state: StateDep) -> UntypedAPIFuture:
 
 
 @router.post("/get_info")
-def get_info(body: GetInfoRequest, state: StateDep) -> GetInfoResponse:
-    row = state.model(body.model_id)
+def get_info(body: GetInfoRequest, state: StateDep, tenant: TenantDep) -> GetInfoResponse:
+    row = state.model(body.model_id, tenant=tenant)
     info = state.base_model(row.base_model)
     return GetInfoResponse(
         model_id=row.model_id,
@@ -81,7 +88,7 @@ def get_info(body: GetInfoRequest, state: StateDep) -> GetInfoResponse:
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, state: StateDep) -> UntypedAPIFuture:
+async def forward_backward(request: Request, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
     """Also TrainingClient.forward() (`forward_only` selects it). The body is protobuf from SDK 0.25 on,
     JSON before (turned into the same protobuf message, so both take one path from here)."""
     content_type = request.headers.get("content-type", "")
@@ -91,23 +98,25 @@ async def forward_backward(request: Request, state: StateDep) -> UntypedAPIFutur
         )
     body = await request.body()
     if PROTO_CONTENT_TYPE in content_type:
-        return await run_in_threadpool(_submit_pass, state, body)
+        return await run_in_threadpool(_submit_pass, state, tenant, body)
     if "json" not in content_type:
         raise UserError(
             f"forward_backward takes a protobuf ({PROTO_CONTENT_TYPE}) or JSON (application/json) body, "
             f"got Content-Type {content_type!r}"
         )
-    return await run_in_threadpool(_submit_json_pass, state, body)
+    return await run_in_threadpool(_submit_json_pass, state, tenant, body)
 
 
 @router.post("/forward")
-async def forward(request: Request, state: StateDep) -> UntypedAPIFuture:
+async def forward(request: Request, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
     """TrainingClient.forward() of the SDKs before 0.25: a JSON body, never protobuf."""
     body = await request.body()
-    return await run_in_threadpool(_submit_json_pass, state, body, forward_only=True)
+    return await run_in_threadpool(_submit_json_pass, state, tenant, body, forward_only=True)
 
 
-def _submit_json_pass(state: ServiceState, body: bytes, *, forward_only: bool = False) -> UntypedAPIFuture:
+def _submit_json_pass(
+    state: ServiceState, tenant: str, body: bytes, *, forward_only: bool = False
+) -> UntypedAPIFuture:
     wire: type[ForwardJsonRequest | ForwardBackwardJsonRequest] = (
         ForwardJsonRequest if forward_only else ForwardBackwardJsonRequest
     )
@@ -115,12 +124,12 @@ def _submit_json_pass(state: ServiceState, body: bytes, *, forward_only: bool = 
     try:
         parsed = parse_body(wire, body)
     except RequestValidationError as err:  # the SDK counted its seq_id: a failed future if it can be read
-        rejected = reject_invalid_body(state, request_type, body, invalid_body_detail(err.errors()))
+        rejected = reject_invalid_body(state, tenant, request_type, body, invalid_body_detail(err.errors()))
         if rejected is None:
             raise
         return future_response(rejected)
     inputs = parsed.forward_input if isinstance(parsed, ForwardJsonRequest) else parsed.forward_backward_input
-    state.model_base(parsed.model_id)
+    state.model_base(parsed.model_id, tenant=tenant)
     try:
         proto_body = forward_backward_from_json(
             parsed.model_id, parsed.seq_id, inputs, forward_only=forward_only
@@ -132,18 +141,19 @@ def _submit_json_pass(state: ServiceState, body: bytes, *, forward_only: bool = 
             raise failure
 
         return future_response(
-            submit(state, parsed.model_id, parsed.seq_id, request_type, body, check=refuse)
+            submit(state, tenant, parsed.model_id, parsed.seq_id, request_type, body, check=refuse)
         )
-    return _submit_pass(state, proto_body)
+    return _submit_pass(state, tenant, proto_body)
 
 
-def _submit_pass(state: ServiceState, body: bytes) -> UntypedAPIFuture:
+def _submit_pass(state: ServiceState, tenant: str, body: bytes) -> UntypedAPIFuture:
     message = parse_forward_backward(body)
     header = forward_backward_header(message)
-    limits = state.base_model(state.model_base(header.model_id)).limits
+    limits = state.base_model(state.model_base(header.model_id, tenant=tenant)).limits
     request_type = RequestType.FORWARD if header.forward_only else RequestType.FORWARD_BACKWARD
     future = submit(
         state,
+        tenant,
         header.model_id,
         header.seq_id,
         request_type,
@@ -154,11 +164,12 @@ def _submit_pass(state: ServiceState, body: bytes) -> UntypedAPIFuture:
 
 
 @router.post("/optim_step")
-def optim_step(body: OptimStepRequest, state: StateDep) -> UntypedAPIFuture:
-    state.model_base(body.model_id)
+def optim_step(body: OptimStepRequest, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
+    state.model_base(body.model_id, tenant=tenant)
     payload = body.model_dump_json().encode()
     future = submit(
         state,
+        tenant,
         body.model_id,
         body.seq_id,
         RequestType.OPTIM_STEP,
@@ -169,21 +180,23 @@ def optim_step(body: OptimStepRequest, state: StateDep) -> UntypedAPIFuture:
 
 
 @router.post("/save_weights")
-def save_weights(body: SaveWeightsRequest, state: StateDep) -> UntypedAPIFuture:
-    state.model_base(body.model_id)
+def save_weights(body: SaveWeightsRequest, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
+    state.model_base(body.model_id, tenant=tenant)
     payload = body.model_dump_json().encode()
 
     def check() -> None:
         if body.path is not None:
             checkpoint_path(body.model_id, "state", body.path)
 
-    future = submit(state, body.model_id, body.seq_id, RequestType.SAVE_WEIGHTS, payload, check=check)
+    future = submit(state, tenant, body.model_id, body.seq_id, RequestType.SAVE_WEIGHTS, payload, check=check)
     return future_response(future)
 
 
 @router.post("/save_weights_for_sampler")
-def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, state: StateDep) -> UntypedAPIFuture:
-    state.model_base(body.model_id)
+def save_weights_for_sampler(
+    body: SaveWeightsForSamplerRequest, state: StateDep, tenant: TenantDep
+) -> UntypedAPIFuture:
+    state.model_base(body.model_id, tenant=tenant)
     payload = body.model_dump_json().encode()
 
     def check() -> None:
@@ -193,38 +206,39 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, state: StateDep
             raise UserError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
 
     future = submit(
-        state, body.model_id, body.seq_id, RequestType.SAVE_WEIGHTS_FOR_SAMPLER, payload, check=check
+        state, tenant, body.model_id, body.seq_id, RequestType.SAVE_WEIGHTS_FOR_SAMPLER, payload, check=check
     )
     return future_response(future)
 
 
 @router.post("/load_weights")
-def load_weights(body: LoadWeightsRequest, state: StateDep) -> UntypedAPIFuture:
+def load_weights(body: LoadWeightsRequest, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
     """Create-via-load (session_id + model_seq_id: a new model from a checkpoint, its LoRA config taken from
-    the model that wrote it) or the legacy load_state onto an existing model (model_id + seq_id)."""
+    the model that wrote it) or the legacy load_state onto an existing model (model_id + seq_id). The
+    checkpoint must be the caller's or published (checked here, and again by the worker as it loads)."""
     payload = body.model_dump_json().encode()
     if body.session_id is not None:
         if body.model_seq_id is None:
             raise UserError("load_weights with session_id also needs model_seq_id")
-        state.session(body.session_id)
-        source = state.checkpoints.source(body.path)
+        state.session(body.session_id, tenant=tenant)
+        source = state.checkpoints.source(body.path, reader=tenant)
         if body.base_model is not None and body.base_model != source.base_model:
             raise UserError(f"{body.path} was trained on {source.base_model!r}, not {body.base_model!r}")
         if body.optimizer and source.checkpoint.path.kind != "state":
             raise UserError(f"{body.path} is a sampler checkpoint: it holds no optimizer state")
         lora = LoraConfig.model_validate(source.lora_config)
         new_id = model_id(body.session_id, body.model_seq_id)
-        _ensure_model_row(state, new_id, body.session_id, body.model_seq_id, source.base_model, lora)
-        future = state.store.submit(new_id, FIRST_SEQ_ID, RequestType.LOAD_WEIGHTS, payload)
+        _ensure_model_row(state, tenant, new_id, body.session_id, body.model_seq_id, source.base_model, lora)
+        future = state.store.submit(new_id, FIRST_SEQ_ID, RequestType.LOAD_WEIGHTS, payload, tenant=tenant)
         state.wake(RequestType.LOAD_WEIGHTS)
         annotate_future(future)
         return future_response(future)
     if body.model_id is None or body.seq_id is None:
         raise UserError("load_weights needs either session_id + model_seq_id, or model_id + seq_id")
-    row = state.model(body.model_id)
+    row = state.model(body.model_id, tenant=tenant)
 
     def check() -> None:
-        source = state.checkpoints.source(body.path)
+        source = state.checkpoints.source(body.path, reader=tenant)
         if (source.base_model, LoraConfig.model_validate(source.lora_config).rank) != (
             row.base_model,
             row.lora_rank,
@@ -235,7 +249,7 @@ def load_weights(body: LoadWeightsRequest, state: StateDep) -> UntypedAPIFuture:
                 f"{body.model_id} is rank {row.lora_rank} on {row.base_model!r}"
             )
 
-    future = submit(state, body.model_id, body.seq_id, RequestType.LOAD_WEIGHTS, payload, check=check)
+    future = submit(state, tenant, body.model_id, body.seq_id, RequestType.LOAD_WEIGHTS, payload, check=check)
     return future_response(future)
 
 
@@ -247,9 +261,16 @@ def _check_new_model(state: ServiceState, lora: LoraConfig, optimizer: str) -> N
 
 
 def _ensure_model_row(
-    state: ServiceState, new_id: str, session_id: str, model_seq_id: int, base_model: str, lora: LoraConfig
+    state: ServiceState,
+    tenant: str,
+    new_id: str,
+    session_id: str,
+    model_seq_id: int,
+    base_model: str,
+    lora: LoraConfig,
 ) -> None:
-    """Insert the model's row unless a retry of the same request already did."""
+    """Insert `tenant`'s model's row unless a retry of the same request already did. (The session is the
+    tenant's, checked by the caller, and a model id names its session: an existing row is the tenant's.)"""
     wanted = (base_model, lora.model_dump())
     try:
         with state.db.write() as session:
@@ -263,11 +284,12 @@ def _ensure_model_row(
                         base_model=base_model,
                         lora_rank=lora.rank,
                         lora_config=lora.model_dump(),
+                        tenant=tenant,
                     )
                 )
                 return
     except IntegrityError:  # a concurrent retry inserted it first
-        row = state.model(new_id)
+        row = state.model(new_id, tenant=tenant)
     if (row.base_model, row.lora_config) != wanted:
         raise UserError(
             f"model_seq_id {model_seq_id} of session {session_id!r} is already model {new_id} "

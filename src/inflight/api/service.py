@@ -2,7 +2,9 @@
 tells long-polls a future finished.
 
 Owns no behaviour beyond lookups the routes repeat (a model's row, a base model's limits); `app.py` builds
-one `ServiceState` per app and the routes reach it through `StateDep`.
+one `ServiceState` per app and the routes reach it through `StateDep`, and the request's tenant (its API
+key's, `auth.tenant_of`) through `TenantDep`. A lookup of another tenant's row answers exactly as one of an
+id that does not exist, so ids of other tenants are never confirmed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inflight.api.archives import ArchiveSigner
-from inflight.api.auth import check_api_keys
+from inflight.api.auth import check_api_keys, scope_tenant
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SessionRow
 from inflight.api.futures import Future, FutureStore, RequestType
@@ -177,7 +179,8 @@ class ServiceState:
     archive_signer: ArchiveSigner  # signs and checks checkpoint download links (one secret per process)
     # Stops a cancelled sample's engine work (the worker's `cancel_sample`); any thread.
     cancel_sample: Callable[[str], None] = lambda request_id: None
-    _model_bases: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # see model_base
+    # model_id -> (base model, tenant): see model_base
+    _model_bases: dict[str, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)
 
     def base_model(self, name: str) -> BaseModelInfo:
         info = self.base_models.get(name)
@@ -185,29 +188,36 @@ class ServiceState:
             raise UserError(f"unknown base model {name!r}; this server serves: {sorted(self.base_models)}")
         return info
 
-    def model(self, model_id: str) -> ModelRow:
+    def model(self, model_id: str, *, tenant: str) -> ModelRow:
+        """The row of `tenant`'s model; NotFoundError, the same as for no such model, for another's."""
         with self.db.read() as session:
             row = session.get(ModelRow, model_id)
             if row is not None:
                 session.expunge(row)  # keep its loaded values past the read's rollback
-        if row is None:
+        if row is None or row.tenant != tenant:
             raise NotFoundError(f"unknown model_id {model_id!r}: create it with create_model first")
         return row
 
-    def model_base(self, model_id: str) -> str:
-        """The base model of an existing model (NotFoundError otherwise), for the routes on every request's
-        path. Cached: a model's base model never changes and its row is never deleted."""
-        base_model = self._model_bases.get(model_id)
-        if base_model is None:
-            base_model = self._model_bases[model_id] = self.model(model_id).base_model
+    def model_base(self, model_id: str, *, tenant: str) -> str:
+        """The base model of `tenant`'s existing model (NotFoundError otherwise), for the routes on every
+        request's path. Cached: a model's base model and tenant never change and its row is never deleted,
+        so the ownership check costs no database read either."""
+        cached = self._model_bases.get(model_id)
+        if cached is None:
+            row = self.model(model_id, tenant=tenant)
+            cached = self._model_bases[model_id] = (row.base_model, row.tenant)
+        base_model, owner = cached
+        if owner != tenant:
+            raise NotFoundError(f"unknown model_id {model_id!r}: create it with create_model first")
         return base_model
 
-    def session(self, session_id: str) -> SessionRow:
+    def session(self, session_id: str, *, tenant: str) -> SessionRow:
+        """The row of `tenant`'s session; NotFoundError, the same as for no such session, for another's."""
         with self.db.read() as session:
             row = session.get(SessionRow, session_id)
             if row is not None:
                 session.expunge(row)
-        if row is None:
+        if row is None or row.tenant != tenant:
             raise NotFoundError(f"unknown session_id {session_id!r}: call create_session first")
         return row
 
@@ -221,3 +231,12 @@ def get_state(request: Request) -> ServiceState:
 
 
 StateDep = Annotated[ServiceState, Depends(get_state)]
+
+
+async def get_tenant(request: Request) -> str:
+    """The request's tenant, as ApiKeyMiddleware recorded it. Async: FastAPI runs a sync dependency in
+    the thread pool, a hop too many for a field read on every request."""
+    return scope_tenant(request.scope)
+
+
+TenantDep = Annotated[str, Depends(get_tenant)]

@@ -429,7 +429,9 @@ class EngineWorker:
     def _load_weights(self, future: Future) -> bytes:
         request = _stored_request(LoadWeightsRequest, future)
         try:
-            checkpoint = self.checkpoints.get(request.path)
+            # As the requesting model's tenant: its own checkpoint, or another's while published. The route
+            # checked before queueing; checked again here, since it may have been unpublished since.
+            checkpoint = self.checkpoints.get(request.path, reader=future.tenant)
             if request.optimizer and checkpoint.path.kind != "state":
                 raise UserError(
                     f"{request.path} is a sampler checkpoint, which holds no optimizer state; load a "
@@ -480,6 +482,7 @@ class EngineWorker:
                             sampling_session_seq_id=request.sampling_session_seq_id,
                             base_model=self._base_model(future.model_id),
                             snapshot_key=key,
+                            tenant=future.tenant,  # the model's (the route checked it is the submitter's)
                         )
                     )
         except IntegrityError:
@@ -518,7 +521,9 @@ class EngineWorker:
             size = self.compute.save_state(future.model_id, staged, include_optimizer=True)
         else:
             size = self.compute.save_sampler_weights(future.model_id, staged)
-        self.checkpoints.commit(path, staged, size_bytes=size, ttl_seconds=ttl_seconds, overwrite=overwrite)
+        self.checkpoints.commit(
+            path, staged, size_bytes=size, ttl_seconds=ttl_seconds, overwrite=overwrite, tenant=future.tenant
+        )
         return str(path)
 
     # -- batched passes and samples -------------------------------------------------------------------
@@ -636,6 +641,7 @@ class EngineWorker:
             if row is None:
                 raise UserError(f"unknown sampling_session_id {sampling_session_id!r}")
             base_model, snapshot_key, model_path = row.base_model, row.snapshot_key, row.model_path
+            tenant = row.tenant
         if snapshot_key is not None:
             if snapshot_key in self._evicted:
                 raise UserError(
@@ -651,7 +657,7 @@ class EngineWorker:
             return base_model, snapshot_key
         if model_path is not None:
             if model_path not in self._sampler_keys:
-                checkpoint = self.checkpoints.get(model_path)
+                checkpoint = self.checkpoints.get(model_path, reader=tenant)  # asample's check, once more
                 owner, update = self.compute.read_sampler_update(model_path, checkpoint.storage_dir)
                 self.sampler.set_adapter(owner, update)
                 self._sampler_keys.add(model_path)
