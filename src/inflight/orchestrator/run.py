@@ -4,16 +4,20 @@ The phases, in order: check the task (its splits, its Env, its warm-up) before a
 directory; the policy; the warm-up (if cfg.warmup.sft_steps); evaluation on the test split; cfg.grpo.steps
 of GRPO (the sync loop or the pipeline, by cfg.mode; both continue a checkpoint found in the run
 directory); evaluation again; checkpoint; summary. Owns the run directory's files (config.json,
-metrics.jsonl, checkpoint/, summary.json, curves.png) and the summary keys every task shares; a run that
-fails before its first step leaves no run directory behind. Knows nothing of any one task.
+metrics.jsonl, warmup/, checkpoint/, summary.json, curves.png) and the summary keys every task shares; a
+run that fails before its first step leaves no run directory behind. A resume (`check_resume`) trains
+neither the warm-up nor evaluates the initial policy again, and its summary covers the whole run, read
+from metrics.jsonl. Knows nothing of any one task.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from inflight.config import RunConfig
 from inflight.envs.base import Environment
 from inflight.errors import UserError, describe
-from inflight.metrics.logger import METRICS_FILE, MetricsLogger
+from inflight.metrics.logger import METRICS_FILE, MetricsLogger, read_metrics
 from inflight.metrics.plot import plot_run
 from inflight.orchestrator.drivers import Driver, InlineDriver
 from inflight.orchestrator.evaluate import evaluate
@@ -40,9 +44,9 @@ from inflight.orchestrator.setup import (
 from inflight.orchestrator.stopping import StopRequest
 from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.sync_loop import train as train_sync
-from inflight.orchestrator.task import Task, load_split
+from inflight.orchestrator.task import Problems, Task, load_split
 from inflight.orchestrator.task_warmup import task_warmup
-from inflight.orchestrator.warmup import format_warmup
+from inflight.orchestrator.warmup import WARMUP_DIR, format_warmup, warmup_steps_done
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer.checkpoint import checkpoint_step
 from inflight.trainer.process import StepTrainer, TrainerProcess
@@ -86,15 +90,31 @@ def run(
     (logged with every pipeline step) and `make_trainer` building the trainer over the warmed-up model
     (there: data-parallel ranks in actors of their own; by default `build_loop_trainer`) and `players`
     playing the pipeline's groups (there: rollout workers in actors of their own; by default the
-    pipeline's event loop). `stop`, once set (a signal: `stopping.py`), ends the training after the step
-    in flight; the run then checkpoints, evaluates and summarizes as usual, `stopped` naming the signal."""
+    pipeline's event loop). `stop`, once set (a signal: `stopping.py`), ends the warm-up or the training
+    after the step in flight; a stopped training then checkpoints, evaluates and summarizes as usual, a
+    stopped warm-up saves its state (RUN_DIR/warmup) and summarizes, `stopped` naming the signal.
+
+    A run directory with a checkpoint is resumed: the warm-up is loaded from RUN_DIR/warmup rather than
+    trained again, and the initial evaluation is the one metrics.jsonl holds (the checkpoint's weights are
+    no longer the initial policy). A run directory of another task, or a checkpoint past cfg.grpo.steps,
+    is refused before anything is written."""
     t0 = time.perf_counter()
     train_problems = load_split(task, "train")
     test_problems = load_split(task, "test") if cfg.eval.num_episodes else []
     check_task(cfg, task)
-    with _run_directory(cfg) as run_dir:
-        # Before any weights load: a damaged checkpoint fails now, in one line.
-        first_step = checkpoint_step(run_dir / "checkpoint")
+    path = run_dir_path(cfg)  # once: without cfg.run_dir it names the current second
+    # Before any weights load and before config.json is rewritten: a damaged checkpoint, another task's
+    # run directory or a finished run shows now, in one line.
+    first_step = check_resume(cfg, path)
+    if first_step == cfg.grpo.steps and (finished := _finished_summary(path, first_step)) is not None:
+        _note(
+            f"{path} is already trained to grpo.steps={first_step} (its checkpoint is at step {first_step}): "
+            "nothing to do; set grpo.steps higher to train further"
+        )
+        return finished
+    if first_step:
+        _note(f"resuming from the checkpoint at step {first_step} ({path / 'checkpoint'})")
+    with _run_directory(cfg, path) as run_dir:
         # Closed however the run ends: a W&B run is finished, TensorBoard flushed.
         with contextlib.ExitStack() as stack:
             logger = stack.enter_context(
@@ -102,15 +122,16 @@ def run(
             )
             model, tokenizer = load_policy(cfg)
             chat = ChatFormat.for_model(tokenizer, model)
-            # Also when resuming: the warm-up is deterministic, and the KL reference is the warmed-up model.
-            if cfg.warmup.sft_steps and task.env is not None:
-
-                def new_env() -> Environment:
-                    return task.make_env(cfg, "train")
-
-                format_warmup(model, pad_id(tokenizer), chat, new_env, cfg, logger, task.warmup_reply)
-            elif cfg.warmup.sft_steps:
-                task_warmup(model, pad_id(tokenizer), task, train_problems, chat, cfg, logger)
+            _warm_up(cfg, task, model, tokenizer, chat, train_problems, run_dir, first_step, logger, stop)
+            if stop is not None and stop.reason is not None:
+                # A signal during the loading or the warm-up (saved: `_warm_up`): no step trained, none
+                # evaluated; the summary says so, and the same command goes on from here.
+                initial = _logged_initial(run_dir) if first_step else {}
+                summary = build_summary(
+                    cfg, task, run_dir, t0, first_step, [], len(test_problems), initial, {}, stop.reason
+                )
+                logger.log(first_step, summary, phase="summary")
+                return _finish(run_dir, summary)
             # The engine first: it copies the weights, and a LoRA trainer then wraps the model's layers.
             engine = build_engine(cfg, model, tokenizer)
             # The pipeline's may be a process of its own; a launcher's, ranks elsewhere.
@@ -125,9 +146,12 @@ def run(
             def during(driver: Driver) -> dict[str, float]:
                 return _test_metrics(test(driver, cfg.eval.num_episodes_during))
 
-            initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
-            if initial:
-                logger.log(0, _test_metrics(initial), phase="eval")
+            if first_step:  # the policy before training is gone: its evaluation is the one logged then
+                initial = _logged_initial(run_dir)
+            else:
+                initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
+                if initial:
+                    logger.log(0, _test_metrics(initial), phase="eval")
             evaluate_during = during if test_problems else None
             history = train(parts, cfg, logger, run_dir, evaluate_during, launcher_metrics, players)
             last_step = first_step + len(history)
@@ -146,9 +170,118 @@ def run(
                 cfg, task, run_dir, t0, first_step, history, len(test_problems), initial, final, stopped
             )
             logger.log(last_step, summary, phase="summary")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_run(run_dir)
+        return _finish(run_dir, summary)
+
+
+def _finish(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_run(run_dir)
     return summary
+
+
+def _note(line: str) -> None:
+    """One line on stderr, beside the progress bar and the signal's line (`stopping.py`)."""
+    print(f"inflight: {line}", file=sys.stderr, flush=True)
+
+
+def _warm_up(
+    cfg: RunConfig,
+    task: Task,
+    model: torch.nn.Module,
+    tokenizer: object,
+    chat: ChatFormat,
+    train_problems: Problems,
+    run_dir: Path,
+    first_step: int,
+    logger: MetricsLogger,
+    stop: StopRequest | None,
+) -> None:
+    """The warm-up (cfg.warmup.sft_steps), trained, continued or loaded from RUN_DIR/warmup (`warmup.py`).
+    A signal stops it after its step in flight, its state saved (the same command continues it).
+
+    A resumed run (`first_step` > 0) loads it: its weights are the base a LoRA adapter was trained on and
+    the KL reference. A run directory from before RUN_DIR/warmup existed has none to load; the warm-up,
+    deterministic, is then trained again, unlogged (metrics.jsonl holds it once already)."""
+    state_dir = run_dir / WARMUP_DIR
+    saved = warmup_steps_done(state_dir)
+    if not cfg.warmup.sft_steps and saved is None:
+        return
+    if saved is not None and saved[0] < min(saved[1], cfg.warmup.sft_steps):
+        _note(f"continuing the warm-up after its step {saved[0]} of {saved[1]} ({state_dir})")
+    warm_logger = logger if first_step == 0 else None
+    if task.env is not None:
+
+        def new_env() -> Environment:
+            return task.make_env(cfg, "train")
+
+        format_warmup(
+            model, pad_id(tokenizer), chat, new_env, cfg, warm_logger, task.warmup_reply,
+            state_dir=state_dir, stop=stop,
+        )  # fmt: skip
+    else:
+        task_warmup(
+            model, pad_id(tokenizer), task, train_problems, chat, cfg, warm_logger,
+            state_dir=state_dir, stop=stop,
+        )  # fmt: skip
+    done, asked = warmup_steps_done(state_dir) or (0, cfg.warmup.sft_steps)
+    if done < min(asked, cfg.warmup.sft_steps):
+        _note(
+            f"the warm-up stopped after its step {done} of {asked}, saved in {state_dir}: the same command "
+            "continues it"
+        )
+
+
+def check_resume(cfg: RunConfig, path: Path) -> int:
+    """The step a run in `path` starts at (that of its checkpoint; 0 without one), or UserError when `path`
+    holds another task's run, or a checkpoint already past cfg.grpo.steps.
+
+    Past grpo.steps is an error, not a finished run: the command asks for fewer steps than were trained,
+    and carrying on would report the checkpoint's steps as this command's (exit 2 says so to a script);
+    a checkpoint exactly at grpo.steps is the same command run again (a requeued job), answered with the
+    summary it wrote (`run`)."""
+    recorded = _recorded_config(path)
+    if recorded is not None and recorded.get("recipe") not in (None, cfg.recipe):
+        raise UserError(
+            f"{path} holds a run of the task {recorded['recipe']!r}, not {cfg.recipe!r}: give this run "
+            f"another --run-dir, or move {path} away"
+        )
+    step = checkpoint_step(path / "checkpoint")
+    if step > cfg.grpo.steps:
+        raise UserError(
+            f"the checkpoint in {path} is at step {step}, past grpo.steps={cfg.grpo.steps}: set grpo.steps "
+            f"above {step} to train further, or give this run another --run-dir to start over"
+        )
+    return step
+
+
+def _recorded_config(path: Path) -> dict[str, Any] | None:
+    """The config.json a run wrote into `path` at its start, if there is one (another file of that name,
+    a model's say, is no run's)."""
+    try:
+        recorded = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) and "grpo" in recorded else None
+
+
+def _finished_summary(path: Path, steps: int) -> dict[str, Any] | None:
+    """The summary a run in `path` wrote on finishing `steps` steps; None when it did not (killed during its
+    final evaluation, or stopped: the run still has to finish)."""
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    finished = isinstance(summary, dict) and summary.get("steps") == steps and summary.get("stopped") is None
+    return summary if finished else None
+
+
+def _logged_initial(run_dir: Path) -> dict[str, float]:
+    """The initial evaluation (step 0's `eval` row, `test/` stripped) as the run's first process logged it;
+    {} when it logged none."""
+    for row in read_metrics(run_dir):
+        if row.get("phase") == "eval" and row.get("step") == 0:
+            return {k.removeprefix("test/"): v for k, v in row.items() if k.startswith("test/")}
+    return {}
 
 
 def check_task(cfg: RunConfig, task: Task) -> None:
@@ -183,10 +316,9 @@ def check_task(cfg: RunConfig, task: Task) -> None:
 
 
 @contextmanager
-def _run_directory(cfg: RunConfig) -> Iterator[Path]:
-    """The run directory, created here; removed again if this run made it and fails before its first step
-    (a resumed run's directory is never removed)."""
-    path = run_dir_path(cfg)
+def _run_directory(cfg: RunConfig, path: Path) -> Iterator[Path]:
+    """The run directory `path`, created here; removed again if this run made it and fails before its first
+    step (a resumed run's directory is never removed)."""
     fresh = not path.exists() or (path.is_dir() and not any(path.iterdir()))
     run_dir = make_run_dir(cfg, path)
     try:
@@ -221,12 +353,20 @@ def build_summary(
     stopped: str | None = None,
 ) -> dict[str, Any]:
     """The keys every task reports, in this order: recipe, mode, steps (the whole run's, those before a
-    resume included), wall_s, eval_problems and eval_problems_sampled (how many test problems the greedy
-    and the sampled evaluation played), return_initial/final (greedy decoding on the test problems),
-    return_initial/final_sampled (the sampling policy), the task's `summarize()` keys, return_first10/last10
-    (mean training reward of the first and last tenth of the steps this process ran), stopped (the signal
-    that ended the training before cfg.grpo.steps, else None), run_dir."""
-    rewards = [h["reward_mean"] for h in history]
+    resume included), wall_s (this process's seconds, from the start of `run` to the summary),
+    wall_s_total (the seconds of every process of the run that wrote a summary to metrics.jsonl, this one
+    included: a process killed before its summary is missing from it), eval_problems and
+    eval_problems_sampled (how many test problems the greedy and the sampled evaluation played),
+    return_initial/final (greedy decoding on the test problems), return_initial/final_sampled (the
+    sampling policy), the task's `summarize()` keys, return_first10/last10 (mean training reward of the
+    first and last tenth of the whole run's steps, those before a resume read from metrics.jsonl), stopped
+    (the signal that ended the training before cfg.grpo.steps, else None), run_dir."""
+    rows = read_metrics(run_dir) if (run_dir / METRICS_FILE).is_file() else []
+    rewards = _earlier_rewards(rows, first_step) + [h["reward_mean"] for h in history]
+    wall_s = round(time.perf_counter() - t0, 1)
+    earlier_wall_s = sum(
+        r["wall_s"] for r in rows if r.get("phase") == "summary" and _is_number(r.get("wall_s"))
+    )
     evaluated, sampled_cap = min(cfg.eval.num_episodes, test_problems), cfg.eval.num_episodes_sampled
     tenth = max(1, len(rewards) // 10)
     extra = task.summarize(cfg, initial, final) if task.summarize and initial and final else {}
@@ -234,7 +374,8 @@ def build_summary(
         "recipe": cfg.recipe,
         "mode": cfg.mode,
         "steps": first_step + len(history),
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "wall_s": wall_s,
+        "wall_s_total": round(earlier_wall_s + wall_s, 1),
         "eval_problems": evaluated,
         "eval_problems_sampled": evaluated if sampled_cap is None else min(sampled_cap, evaluated),
         "return_initial": _rounded(initial.get("return_greedy")),
@@ -247,6 +388,23 @@ def build_summary(
         "stopped": stopped,
         "run_dir": str(run_dir),
     }
+
+
+def _earlier_rewards(rows: list[dict[str, Any]], first_step: int) -> list[float]:
+    """The training reward of steps 0 .. first_step - 1, as metrics.jsonl logged them. A step logged twice
+    (after a kill, the run went back to its last checkpoint) counts once: the later row, the one the
+    checkpoint continued from. NaN where the row has none (a step whose rollouts all failed)."""
+    by_step: dict[int, float] = {}
+    for row in rows:
+        step = row.get("step")
+        if row.get("phase") == "train" and isinstance(step, int) and 0 <= step < first_step:
+            reward = row.get("reward_mean")
+            by_step[step] = float(reward) if isinstance(reward, int | float) else math.nan
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _rounded(value: float | None) -> float | None:

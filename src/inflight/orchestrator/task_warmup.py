@@ -3,7 +3,8 @@ train problems, played by a scripted policy whose replies come from the task's `
 rng)` (legal replies from Python, never the task's solution).
 
 Like the Env warm-up (`warmup.py`), it teaches a tiny model from scratch the reply format and, with
-`warmup.tokens=all`, to read the conversation; RL has to do the rest.
+`warmup.tokens=all`, to read the conversation; RL has to do the rest. It keeps its state in RUN_DIR/warmup/
+and stops after its step in flight on a signal, as that one does.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import random
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -20,10 +22,11 @@ from inflight.errors import UserError
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.rollout_group import sampling_params
+from inflight.orchestrator.stopping import StopRequest
 from inflight.orchestrator.task import Problems, Task, WarmupReply, train_problem
+from inflight.orchestrator.warmup import resume_warmup, save_warmup, warmup_trainer
 from inflight.rollouts.api import RolloutContext, scripted_policy
 from inflight.rollouts.chat import ChatFormat
-from inflight.trainer import LossConfig, Trainer, TrainerConfig
 from inflight.types import Rollout, TrainSample
 
 
@@ -57,39 +60,40 @@ def task_warmup(
     problems: Problems,
     chat: ChatFormat,
     cfg: RunConfig,
-    logger: MetricsLogger,
+    logger: MetricsLogger | None,
+    *,
+    state_dir: Path | None = None,
+    stop: StopRequest | None = None,
 ) -> dict[str, float]:
     """cfg.warmup.sft_steps cross-entropy steps on scripted rollouts of train problems drawn at random;
-    logged with phase=warmup. Needs the task's `warmup_reply` (`run.check_task` says so first)."""
+    logged with phase=warmup (unless `logger` is None). Needs the task's `warmup_reply` (`run.check_task`
+    says so first). `state_dir` and `stop`: as in `warmup.format_warmup`."""
     reply = task.warmup_reply
     if reply is None:
         raise UserError(f"{task.name} has no warmup_reply(transcript, rng): set warmup.sft_steps=0")
     w = cfg.warmup
-    trainer = Trainer(
-        model,
-        TrainerConfig(
-            lr=w.sft_lr,
-            micro_batch_size=cfg.trainer.micro_batch_size,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-            device=cfg.trainer.device,
-            loss=LossConfig(name="cross_entropy", reduction="token_mean"),
-        ),
-        pad_id=pad_id,
-    )
+    trainer = warmup_trainer(model, pad_id, cfg)
     rng = random.Random(cfg.seed + 7919)
+    first = resume_warmup(trainer, state_dir, rng)
+    if first is None or first >= w.sft_steps:  # done, or warmup.sft_steps lowered since it stopped
+        return {}
     guard = RolloutGuard(cfg.rollout, w.sft_batch_size, what="warm-up rollouts")
     metrics: dict[str, float] = {}
-    for step in range(w.sft_steps):
+    step = first
+    for step in range(first, w.sft_steps):
         indices = [rng.getrandbits(30) for _ in range(w.sft_batch_size)]
         rollouts = asyncio.run(_scripted_rollouts(task, problems, chat, reply, indices, cfg, guard))
         guard.check()
-        if not rollouts:
-            continue
-        samples = [TrainSample.from_rollout(r, advantage=0.0) for r in rollouts]
-        if w.tokens == "all":
-            for sample in samples:
-                sample.loss_mask = [1.0] * len(sample.token_ids)
-        metrics = trainer.train_step(samples)
-        metrics["reward_mean"] = statistics.fmean(r.reward for r in rollouts)
-        logger.log(step, metrics, phase="warmup")
+        if rollouts:
+            samples = [TrainSample.from_rollout(r, advantage=0.0) for r in rollouts]
+            if w.tokens == "all":
+                for sample in samples:
+                    sample.loss_mask = [1.0] * len(sample.token_ids)
+            metrics = trainer.train_step(samples)
+            metrics["reward_mean"] = statistics.fmean(r.reward for r in rollouts)
+            if logger is not None:
+                logger.log(step, metrics, phase="warmup")
+        if stop is not None and stop.is_set():
+            break
+    save_warmup(trainer, state_dir, step + 1, w.sft_steps, rng)
     return metrics

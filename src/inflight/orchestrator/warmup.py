@@ -4,13 +4,21 @@ It teaches a tiny model from scratch the answer format (and, with `warmup.tokens
 environment's text) so that RL starts with signal. Each environment supplies its warm-up replies through
 `warmup_reply(obs, rng)`; an observation with `legal_actions` (BlackJack) gets one of them uniformly.
 Either way the reply is independent of what would be the right answer: the improvement is RL's.
+
+Both warm-ups (this one and `task_warmup.py`) keep their state in RUN_DIR/warmup/ (a trainer checkpoint,
+`trainer/checkpoint.py`): the weights once it is done, so that a resumed run loads the warmed-up model (the
+base of a LoRA adapter, the KL reference) instead of training it again; and, when a signal (`stopping.py`)
+stops it after its step in flight, the weights, the optimizer and the random state, so that the same
+command continues it at the next step, logging each step once.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,12 +27,68 @@ from inflight.config import RunConfig
 from inflight.envs.base import Environment
 from inflight.errors import UserError
 from inflight.metrics.logger import MetricsLogger
+from inflight.orchestrator.stopping import StopRequest
 from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import run_scripted_episode
 from inflight.trainer import LossConfig, Trainer, TrainerConfig
+from inflight.trainer.checkpoint import META, find_checkpoint, load_checkpoint, save_checkpoint
 from inflight.types import TrainSample
 
 WarmupReply = Callable[[Any, random.Random], str]  # (observation, rng) -> reply text
+WARMUP_DIR = "warmup"  # in the run directory: the warm-up's state (see the module docstring)
+
+
+def warmup_trainer(model: torch.nn.Module, pad_id: int, cfg: RunConfig) -> Trainer:
+    """The warm-up's own trainer: cross-entropy at warmup.sft_lr, over the whole model."""
+    w = cfg.warmup
+    return Trainer(
+        model,
+        TrainerConfig(
+            lr=w.sft_lr,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+            device=cfg.trainer.device,
+            loss=LossConfig(name="cross_entropy", reduction="token_mean"),
+        ),
+        pad_id=pad_id,
+    )
+
+
+def warmup_steps_done(state_dir: Path | None) -> tuple[int, int] | None:
+    """(steps done, steps it was asked for) of the warm-up saved in `state_dir`, or None when none is."""
+    found = find_checkpoint(state_dir) if state_dir is not None else None
+    if found is None:
+        return None
+    meta = json.loads((found / META).read_text())
+    return int(meta["step"]), int(meta["sft_steps"])
+
+
+def resume_warmup(trainer: Trainer, state_dir: Path | None, rng: random.Random) -> int | None:
+    """Load the warm-up saved in `state_dir` into `trainer` (and its random state into `rng`); returns the
+    step to go on from (0 with nothing saved), or None when the saved warm-up is done: its weights are
+    loaded and there is nothing left to train (whatever warmup.sft_steps says now)."""
+    done = warmup_steps_done(state_dir)
+    if state_dir is None or done is None:
+        return 0
+    step, asked = done
+    found = find_checkpoint(state_dir) or state_dir
+    meta = load_checkpoint(trainer, found, load_optimizer=step < asked)
+    if step >= asked:
+        return None
+    version, internal, gauss = meta["rng"]
+    rng.setstate((version, tuple(internal), gauss))
+    return step
+
+
+def save_warmup(trainer: Trainer, state_dir: Path | None, step: int, asked: int, rng: random.Random) -> None:
+    """The warm-up's state after `step` of its `asked` steps: the weights, and, when it is not done, what
+    continuing it needs (the optimizer and the random state)."""
+    if state_dir is None:
+        return
+    extra: dict[str, Any] = {"step": step, "sft_steps": asked}
+    if step < asked:
+        extra["rng"] = rng.getstate()  # (int, tuple of ints, float | None): JSON as a list
+    save_checkpoint(trainer, state_dir, extra, optimizer=step < asked)
 
 
 def random_legal_reply(obs: Any, rng: random.Random) -> str:
@@ -50,28 +114,27 @@ def format_warmup(
     chat: ChatFormat,
     make_env: Callable[[], Environment],
     cfg: RunConfig,
-    logger: MetricsLogger,
+    logger: MetricsLogger | None,
     warmup_reply: WarmupReply | None = None,
+    *,
+    state_dir: Path | None = None,
+    stop: StopRequest | None = None,
 ) -> dict[str, float]:
-    """cfg.warmup.sft_steps cross-entropy steps on scripted episodes; logged with phase=warmup.
+    """cfg.warmup.sft_steps cross-entropy steps on scripted episodes; logged with phase=warmup (unless
+    `logger` is None).
 
-    `warmup_reply` overrides the environment's replies (e.g. a recipe's own reply generator).
+    `warmup_reply` overrides the environment's replies (e.g. a recipe's own reply generator). `state_dir`
+    (RUN_DIR/warmup): where the warm-up's state is saved and continued from (see the module docstring).
+    `stop`, once set, ends it after the step in flight (the state saved); `warmup_steps_done` tells.
     """
     w = cfg.warmup
-    trainer = Trainer(
-        model,
-        TrainerConfig(
-            lr=w.sft_lr,
-            micro_batch_size=cfg.trainer.micro_batch_size,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-            device=cfg.trainer.device,
-            loss=LossConfig(name="cross_entropy", reduction="token_mean"),
-        ),
-        pad_id=pad_id,
-    )
+    trainer = warmup_trainer(model, pad_id, cfg)
     # One generator for episode seeds and replies, in this order: BlackJack's warm-up data are unchanged
     # since this was BlackJack-only.
     rng = random.Random(cfg.seed + 7919)
+    first = resume_warmup(trainer, state_dir, rng)
+    if first is None or first >= w.sft_steps:  # done, or warmup.sft_steps lowered since it stopped
+        return {}
     env = make_env()
     reply = warmup_reply or env_warmup_reply(env)
 
@@ -79,7 +142,8 @@ def format_warmup(
         return reply(obs, rng)
 
     metrics: dict[str, float] = {}
-    for step in range(w.sft_steps):
+    step = first
+    for step in range(first, w.sft_steps):
         starts = [rng.getrandbits(62) for _ in range(-(-w.sft_batch_size // w.sft_group_size))]
         seeds = [s for s in starts for _ in range(w.sft_group_size)][: w.sft_batch_size]
         rollouts = [run_scripted_episode(env, s, policy, chat, cfg.grpo.max_turns) for s in seeds]
@@ -89,6 +153,10 @@ def format_warmup(
                 sample.loss_mask = [1.0] * len(sample.token_ids)
         metrics = trainer.train_step(samples)
         metrics["reward_mean"] = statistics.fmean(r.reward for r in rollouts)
-        logger.log(step, metrics, phase="warmup")
+        if logger is not None:
+            logger.log(step, metrics, phase="warmup")
+        if stop is not None and stop.is_set():
+            break
     env.close()
+    save_warmup(trainer, state_dir, step + 1, w.sft_steps, rng)
     return metrics

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from inflight.errors import UserError
 from inflight.trainer.adapter_checkpoint import ADAPTER_FILE
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # trainer.py imports this module
     from inflight.trainer.trainer import Trainer
 
 META = "trainer_state.json"
+_OPTIMIZER_FILES = (OPTIMIZER, "optimizer.safetensors")  # a full model's, a LoRA adapter's
 _FILES_KEY = "files"  # in META: {file name: bytes}, the proof that the files beside it are whole
 
 
@@ -117,15 +118,24 @@ def _settle(path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(trainer: Trainer, path: str | Path, extra: dict | None = None) -> Path:
+def save_checkpoint(
+    trainer: Trainer, path: str | Path, extra: dict | None = None, optimizer: bool = True
+) -> Path:
     """Write weights + optimizer + version to `path`, replacing the checkpoint there only once the new one
-    is complete (see the module docstring for the order of the writes)."""
+    is complete (see the module docstring for the order of the writes). `optimizer=False` leaves the
+    optimizer's state out (a finished warm-up's weights: nothing trains on with that optimizer, and its
+    state is twice the model's size); load such a checkpoint with `load_optimizer=False`."""
     path = Path(path)
     tmp, old = _tmp(path), _old(path)
     _settle(path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    sizes = {name: (tmp / name).stat().st_size for name in trainer.policy.save(tmp)}
+    written = trainer.policy.save(tmp)
+    if not optimizer:
+        for name in [n for n in written if n in _OPTIMIZER_FILES]:
+            (tmp / name).unlink()
+            written.remove(name)
+    sizes = {name: (tmp / name).stat().st_size for name in written}
     for name in sizes:
         _fsync(tmp / name)
     # Last: until this file is whole, `find_checkpoint` ignores the directory.
@@ -158,6 +168,8 @@ def load_checkpoint(trainer: Trainer, path: str | Path, load_optimizer: bool = T
             )
         raise UserError(f"no checkpoint at {path} (expected {expected} there)")
     try:
+        if not lora:  # before any tensor loads: one line, not every key of two models
+            _check_same_model(trainer, path)
         meta = json.loads((path / META).read_text())
         trainer.policy.load(path, load_optimizer)
     # What a damaged file raises: safetensors' header check, torch.load's zip reader and unpickler, json.
@@ -169,3 +181,27 @@ def load_checkpoint(trainer: Trainer, path: str | Path, load_optimizer: bool = T
     trainer.version = int(meta["version"])
     meta.pop(_FILES_KEY, None)
     return meta
+
+
+def _check_same_model(trainer: Trainer, path: Path) -> None:
+    """UserError when the full-model checkpoint at `path` holds other tensors (names or shapes) than the
+    trainer's model: it was trained from another model. Reads only the safetensors header."""
+    model = getattr(trainer.policy, "model", None)
+    if model is None:
+        return
+    ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    with safe_open(str(path / WEIGHTS), "pt") as f:
+        theirs = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    # A tied output layer may be saved under the embedding's name only (as `policy.load` allows).
+    differ = sorted(
+        {n for n in ours if n not in theirs and not n.endswith("lm_head.weight")}
+        | {n for n in theirs if n not in ours}
+        | {n for n in ours if n in theirs and ours[n] != theirs[n]}
+    )
+    if differ:
+        example = differ[0]
+        shapes = f" {theirs.get(example, 'absent')} there, {ours.get(example, 'absent')} here"
+        raise UserError(
+            f"checkpoint {path} was trained from a different model ({len(differ)} of its tensors differ, "
+            f"e.g. {example}:{shapes}): resume with the run's own model.path, or move {path} away"
+        )
