@@ -119,6 +119,8 @@ class ArithmeticEnv(Environment[TextAction, ArithmeticObservation, ArithmeticSta
     `level` picks a row of LEVELS; max_operand/ops/num_operands/max_multiplier override its fields.
     """
 
+    blocking = False  # quick pure Python: called on the event loop, no thread hop (`Environment.blocking`)
+
     def __init__(
         self,
         level: int = 1,

@@ -10,7 +10,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -71,6 +71,13 @@ class Environment(ABC, Generic[ActT, ObsT, StateT]):
 
     An episode may already be done at reset (e.g. a dealt blackjack); callers check `obs.done` first.
     """
+
+    # Whether reset() and step() may block (wait on I/O, a subprocess or a lock, or compute for long). The
+    # pipeline then calls them in a worker thread, one call at a time: the event loop keeps serving the other
+    # episodes meanwhile, and rollout.timeout_s can end an episode whose step never returns. An environment
+    # whose methods are quick pure Python may set it False: they then run on the event loop, without the
+    # thread hop. `step_async`, where defined, is awaited on the loop either way.
+    blocking: ClassVar[bool] = True
 
     @abstractmethod
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> ObsT:

@@ -142,6 +142,8 @@ class BlackJackEnv(Environment[TextAction, BlackJackObservation, BlackJackState]
     averaged over hands, a measure of the policy that does not wait on the cards' luck as the return does.
     """
 
+    blocking = False  # quick pure Python: called on the event loop, no thread hop (`Environment.blocking`)
+
     def __init__(self, format_penalty: float = -1.0, seed: int | None = None) -> None:
         self.format_penalty = format_penalty
         self._seed = seed  # seeds the hand seeds drawn when reset() gets neither seed nor cards

@@ -1,21 +1,28 @@
 """The fault-tolerance boundary around a task's `generate_rollout`.
 
-Every call is bounded by `rollout.timeout_s` and its result type-checked; a failure (an exception, a
-result that is not a Rollout, a timeout) is counted and logged with its problem index and the
-exception's first line, and the run goes on without that rollout. Once more than
-`rollout.max_failed_frac` of the rollouts failed, `check()` stops the run with a message naming the most
-common error. Knows nothing of engines, buffers or steps; the loops and the evaluation each hold one.
-A guard in another process (a rollout worker's) reports its counts (`take_counts`) to the run's guard
-(`absorb`), which judges them with its own.
+Every call is bounded by `rollout.timeout_s` and its result checked (`rollout_problem`: a Rollout whose
+reward is a finite number and whose metrics are numbers); a failure (an exception, a result that is not
+such a Rollout, a timeout) is counted and logged with its problem index and the exception's first line,
+and the run goes on without that rollout. Once more than `rollout.max_failed_frac` of the rollouts failed,
+`check()` stops the run with a message naming the most common error, counted with ids (request ids,
+addresses) set aside: each message that carries one is otherwise unique. Knows nothing of engines, buffers
+or steps; the loops and the evaluation each hold one. A guard in another process (a rollout worker's)
+reports its counts (`take_counts`) to the run's guard (`absorb`), which judges them with its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
 
 from inflight.config import RolloutConfig
 from inflight.errors import UserError, describe
@@ -25,6 +32,12 @@ from inflight.types import Rollout
 
 log = logging.getLogger(__name__)
 LOGGED_PER_ERROR = 5  # failures logged per distinct error message; the rest are only counted
+# What makes one failure's message differ from the next one's of the same cause: a UUID, a hex id of 16+
+# digits (a request id: uuid4().hex) or a memory address. Replaced by `<id>` where errors are counted.
+_IDS = re.compile(
+    r"\b(?:[0-9a-f]{8}-(?:[0-9a-f]{4}-){3}[0-9a-f]{12}|0x[0-9a-f]{6,}|(?=[a-f]*[0-9])[0-9a-f]{16,})\b",
+    re.IGNORECASE,
+)
 
 
 @dataclass
@@ -71,20 +84,22 @@ class RolloutGuard:
             limit = f"rollout.timeout_s={self.config.timeout_s:g}"
             error = f"TimeoutError: generate_rollout ran past {limit} s" if timed_out else describe(e)
         except Exception as e:  # the task's own failure: counted, and fatal only in numbers (`check`)
-            error = describe(e)
+            error = describe_failure(e)
         else:
-            if isinstance(result, Rollout):
+            wrong = rollout_problem(result)
+            if wrong is None:
                 return result
-            error = f"TypeError: generate_rollout returned a {type(result).__name__}, not a Rollout"
+            error = wrong
         self._count(ctx, error, timed_out)
         return None
 
     def _count(self, ctx: RolloutContext, error: str, timed_out: bool) -> None:
+        key = error_key(error)
         with self._lock:
             self.failed += 1
             self.timeouts += timed_out
-            self.errors[error] += 1
-            seen = self.errors[error]
+            self.errors[key] += 1
+            seen = self.errors[key]
         if seen <= LOGGED_PER_ERROR:
             more = (
                 " (more failures with this error are counted, not logged)" if seen == LOGGED_PER_ERROR else ""
@@ -136,3 +151,67 @@ class RolloutGuard:
         """Failures so far (timeouts included) and timeouts alone."""
         with self._lock:
             return {"rollout_errors": float(self.failed), "rollout_timeouts": float(self.timeouts)}
+
+
+def rollout_problem(result: Any) -> str | None:
+    """What is wrong with `generate_rollout`'s result, as an error message; None for a usable Rollout.
+
+    A reward trains the policy: NaN or inf would poison every advantage of its group (and the step's
+    statistics), so it fails the rollout like an exception would. Metrics are only averaged and logged, but
+    one that is not a number cannot be averaged: named, with its type. The reward and metrics of a usable
+    Rollout are made plain floats (a numpy float or an int from a task averages and serialises as one).
+    """
+    if not isinstance(result, Rollout):
+        return f"TypeError: generate_rollout returned a {type(result).__name__}, not a Rollout"
+    reward = _as_float(result.reward)
+    if reward is None:
+        return f"TypeError: reward is a {type(result.reward).__name__} ({result.reward!r:.40}), not a number"
+    if not math.isfinite(reward):
+        return f"ValueError: reward is {reward}: a rollout's reward must be a finite number"
+    if not isinstance(result.metrics, dict):
+        return f"TypeError: metrics is a {type(result.metrics).__name__}, not a dict of numbers"
+    metrics = {}
+    for key, value in result.metrics.items():
+        if not isinstance(key, str):
+            return f"TypeError: metrics key {key!r:.40} ({type(key).__name__}) is not a str"
+        number = _as_float(value)
+        if number is None:
+            return (
+                f"TypeError: metrics[{key!r}] is a {type(value).__name__} ({value!r:.40}), not a number: "
+                "metrics are averaged; keep other information out of them"
+            )
+        metrics[key] = number
+    result.reward, result.metrics = reward, metrics
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    """`value` as a float when it is a real number (bool, int, float, numpy scalar); else None."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        return math.inf
+
+
+def describe_failure(e: BaseException) -> str:
+    """`describe(e)`; for a pydantic ValidationError (an observation built with a bad field) also the field,
+    the value and what was expected, which its first line ("1 validation error for X") leaves out."""
+    if not isinstance(e, ValidationError):
+        return describe(e)
+    errors = e.errors()
+    if not errors:
+        return describe(e)
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"])
+    value = first.get("input")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return (
+        f"ValidationError: {e.title}.{where} = {value!r:.40} ({type(value).__name__}): {first['msg']}{more}"
+    )
+
+
+def error_key(error: str) -> str:
+    """`error` with its ids replaced by `<id>`: failures of one cause count as one error."""
+    return _IDS.sub("<id>", error)

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import random
 import threading
+import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from inflight.config import RunConfig
 from inflight.envs.base import EnvFactory, Environment
@@ -67,16 +71,101 @@ def make_env(factory: EnvFactory | None, cfg: RunConfig, split: str) -> Environm
     from inflight.envs import ENVS
     from inflight.envs import make_env as make_named_env
 
-    kwargs = dict(cfg.env.kwargs)
     if cfg.env.name:
-        if _takes_split(ENVS.get(cfg.env.name)):
+        named = ENVS.get(cfg.env.name)
+        kwargs = checked_env_kwargs(named, cfg.env.kwargs, cfg.env.name)
+        if _takes_split(named):
             kwargs["split"] = split
         return make_named_env(cfg.env.name, **kwargs)
     if factory is None:
         raise UserError("this task is written with generate_rollout and has no Env: unset env.name")
+    kwargs = checked_env_kwargs(factory, cfg.env.kwargs, getattr(factory, "__name__", "the environment"))
     if _takes_split(factory):
         kwargs["split"] = split
     return factory(**kwargs)
+
+
+def checked_env_kwargs(factory: EnvFactory | None, kwargs: dict[str, Any], name: str) -> dict[str, Any]:
+    """`kwargs` checked against `factory`'s annotations, converted where a value says the same thing in
+    another type (`"3"` for an int, `3` for a float or a str): a wrong type is a UserError naming the kwarg,
+    the type and the fix, raised where `run` builds the first environment (`check_task`, before any weights
+    load) rather than a TypeError in every rollout. Arguments without an annotation it can read pass as
+    given; unknown names are `preflight.check_env`'s."""
+    checked = dict(kwargs)
+    arguments = _kwarg_checks(factory)
+    for key, value in kwargs.items():
+        if key not in arguments:
+            continue
+        check = arguments[key]
+        try:
+            checked[key] = check.validate(value)
+        except ValidationError:
+            example = f", e.g. env.kwargs.{key}={check.default} (its default)" if check.default else ""
+            raise UserError(
+                f"env.kwargs.{key}={value!r:.40} is a {type(value).__name__}, but {name} takes `{key}: "
+                f"{check.annotation}`: pass a value of that type{example}"
+            ) from None
+    return checked
+
+
+@dataclass(frozen=True)
+class _KwargCheck:
+    annotation: str  # as shown in messages: `int`, `int | None`
+    validate: Callable[[Any], Any]  # the value in the annotation's type; ValidationError when it is none
+    default: str  # the default as typed after env.kwargs.NAME=, "" when none
+
+
+def _kwarg_checks(factory: EnvFactory | None) -> dict[str, _KwargCheck]:
+    """The checks of `factory`'s annotated keyword arguments, read once per factory."""
+    try:
+        return _kwarg_checks_cached(factory)
+    except TypeError:  # an unhashable factory: read it every time
+        return _read_kwarg_checks(factory)
+
+
+@functools.lru_cache(maxsize=256)
+def _kwarg_checks_cached(factory: EnvFactory | None) -> dict[str, _KwargCheck]:
+    return _read_kwarg_checks(factory)
+
+
+def _read_kwarg_checks(factory: EnvFactory | None) -> dict[str, _KwargCheck]:
+    if factory is None:
+        return {}
+    try:
+        params = inspect.signature(factory).parameters
+        # String annotations (`from __future__ import annotations`) resolved in the factory's module.
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    except Exception:  # no signature (a builtin), or an annotation that does not resolve: check nothing
+        return {}
+    # Lax mode converts what says the same thing ("3" -> 3, 3 -> 3.0, "true" -> True); a number is also a
+    # str, since the command line parses env.kwargs.name=123 as one.
+    config = ConfigDict(arbitrary_types_allowed=True, coerce_numbers_to_str=True)
+    checks = {}
+    for key, param in params.items():
+        hint = hints.get(key)
+        if hint is None or hint is Any or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        try:
+            validate = TypeAdapter(hint, config=config).validate_python
+        except Exception:  # a type pydantic cannot check: passed as given
+            continue
+        checks[key] = _KwargCheck(_shown_type(hint), validate, _shown_default(param.default))
+    return checks
+
+
+def _shown_default(default: Any) -> str:
+    if default is inspect.Parameter.empty or default is None:
+        return ""
+    if isinstance(default, str):  # as typed on the command line
+        return default
+    try:
+        return json.dumps(default)
+    except (TypeError, ValueError):
+        return ""
+
+
+def _shown_type(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 def _takes_split(factory: EnvFactory | None) -> bool:
@@ -140,21 +229,20 @@ class _EnvRollouts:
     async def generate_rollout(self, ctx: RolloutContext, problem: Problem) -> Rollout:
         cfg = ctx.config
         env = make_env(self.factory, cfg, problem.get("split", "train"))
-        try:
-            # Turns are seeded by (sampling seed, episode seed, sample, turn), as in `run_episodes`.
-            return await play_episode(
-                ctx.generate_fn,
-                env,
-                int(problem["seed"]),
-                ctx.group_id,
-                ctx.chat_format,
-                ctx.params,
-                cfg.grpo.max_turns,
-                sampling_seed=ctx.sampling_seed,
-                sample_index=ctx.sample_index,
-            )
-        finally:
-            env.close()
+        # Turns are seeded by (sampling seed, episode seed, sample, turn), as in `run_episodes`. The episode
+        # closes the env however it ends: after a step still running in its worker thread, if timed out.
+        return await play_episode(
+            ctx.generate_fn,
+            env,
+            int(problem["seed"]),
+            ctx.group_id,
+            ctx.chat_format,
+            ctx.params,
+            cfg.grpo.max_turns,
+            sampling_seed=ctx.sampling_seed,
+            sample_index=ctx.sample_index,
+            close=True,
+        )
 
 
 class EpisodeSeeds(Sequence[Problem]):

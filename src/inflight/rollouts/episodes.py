@@ -3,19 +3,125 @@
 Each episode is one token stream; policy tokens carry their behaviour logprobs and policy versions
 and are trained on, environment tokens are masked out. Scripted episodes (a Python policy) produce
 the same Rollouts for supervised warm-ups.
+
+`play_episode` (the pipeline's, one episode per asyncio task) runs an environment's synchronous `reset` and
+`step` in a worker thread (`EnvCalls`), unless the environment declares them cheap (`blocking = False`): a
+step that blocks then stalls only its own episode, and `rollout.timeout_s` can end it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import functools
+import logging
+import queue
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from inflight.envs.base import Environment, TextAction
 from inflight.inference.engine import Engine
 from inflight.rollouts.chat import ChatFormat
 from inflight.types import Completion, FinishReason, Rollout, SampleRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+WORKER_IDLE_S = 60.0  # an idle worker thread exits after this long (a burst of episodes leaves none behind)
+
+
+class _EnvWorkers:
+    """Daemon threads for environments' synchronous methods, started whenever none is idle.
+
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, so one stuck for good in a step
+    that never returns (the very case a thread is for) would keep the process from exiting; and a fixed
+    number of them could all be stuck, starving every other episode. Stuck threads here just stay stuck.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a call that no submitted call has claimed yet
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1  # claimed: that thread takes this call (or another just as new)
+        self._calls.put((future, fn))
+        if start:
+            threading.Thread(target=self._work, name="inflight-env", daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            try:
+                future, fn = self._calls.get(timeout=WORKER_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle:  # unclaimed: nobody counts on this thread; else a call is on its way
+                        self._idle -= 1
+                        return
+                continue
+            if future.set_running_or_notify_cancel():  # False: cancelled while queued, never run
+                try:
+                    result = fn()
+                except BaseException as e:  # the env's own error, raised again in the episode's task
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
+            del future, fn  # an idle thread keeps no environment alive
+            with self._lock:
+                self._idle += 1
+
+
+_WORKERS = _EnvWorkers()
+
+
+class EnvCalls:
+    """One environment's synchronous methods as awaitables, one call at a time, in order.
+
+    In a worker thread when the environment may block (`Environment.blocking`, True unless it says
+    otherwise): the event loop keeps serving every other episode meanwhile, and a timeout or a cancellation
+    of the awaiting task takes effect at once (the thread finishes the call on its own, and `close` follows
+    it). Inline on the loop otherwise, as the lockstep loops call them.
+    """
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.threaded = bool(getattr(env, "blocking", True))
+        self._last: concurrent.futures.Future[Any] | None = None  # the latest call sent to a thread
+
+    async def __call__(self, fn: Callable[[], T]) -> T:
+        if not self.threaded:
+            return fn()
+        self._last = _WORKERS.submit(fn)
+        return await asyncio.wrap_future(self._last)
+
+    def close(self) -> None:
+        """`env.close()`: inline for an env that does not block (its error raised here); else in a worker
+        thread once no call of it runs, never waited for (after a timed-out step, when that step returns)
+        and its error only logged: the episode is over either way."""
+        if not self.threaded:
+            self.env.close()
+            return
+
+        def close() -> None:
+            try:
+                self.env.close()
+            except Exception as e:
+                log.warning("closing %s after its episode failed: %s", type(self.env).__name__, e)
+
+        last = self._last
+        if last is None or last.done():
+            _WORKERS.submit(close)
+        else:
+            last.add_done_callback(lambda _: close())  # runs in the thread that finishes `last`
 
 
 @dataclass
@@ -67,12 +173,26 @@ class Episode:
 
 def _start(env: Environment, seed: int, group_id: str, chat: ChatFormat, sample_index: int = 0) -> Episode:
     ep = Episode(env=env, group_id=group_id, seed=seed, sample_index=sample_index)
-    obs = env.reset(seed=seed)
+    return _opened(ep, env.reset(seed=seed), chat)
+
+
+def _opened(ep: Episode, obs: Any, chat: ChatFormat) -> Episode:
+    """`ep` after its reset observation `obs`."""
+    _check_observation(obs, type(ep.env).__name__, "reset")
     ep.last_obs = obs
     ep.add_context(chat.first_turn(obs.prompt))
     if obs.done:  # e.g. a natural in BlackJack: the hand is over before any decision
         ep.done, ep.reward = True, float(obs.reward or 0.0)
     return ep
+
+
+def _check_observation(obs: Any, env_name: str, method: str) -> None:
+    """An observation the episode can read; else a TypeError naming the method (not an AttributeError)."""
+    if not (hasattr(obs, "done") and hasattr(obs, "prompt")):
+        raise TypeError(
+            f"{env_name}.{method}() returned a {type(obs).__name__}, not an observation with `prompt` and "
+            "`done` (e.g. a TextObservation)"
+        )
 
 
 def _advance(ep: Episode, reply_text: str, chat: ChatFormat, max_turns: int) -> None:
@@ -81,6 +201,7 @@ def _advance(ep: Episode, reply_text: str, chat: ChatFormat, max_turns: int) -> 
 
 
 def _observe(ep: Episode, obs: Any, chat: ChatFormat, max_turns: int) -> None:
+    _check_observation(obs, type(ep.env).__name__, "step")
     ep.turns += 1
     ep.last_obs = obs
     if obs.done:
@@ -161,23 +282,34 @@ async def play_episode(
     max_turns: int,
     sampling_seed: int | None = None,
     sample_index: int = 0,
+    close: bool = False,
 ) -> Rollout:
     """One episode against an asynchronous policy (the pipeline's rollout workers).
 
     Same token layout and the same per-turn seeds as `run_episodes`: with equal weights both give
-    the same tokens.
+    the same tokens. `close`: close `env` when the episode ends, however it ends (after a step still
+    running in its thread, when the episode was cancelled or timed out).
     """
     params = _with_end_of_turn(params, chat)
-    ep = _start(env, seed, group_id, chat, sample_index)
-    while not ep.done:
-        c = await generate(SampleRequest(ep.token_ids.copy(), _turn_params(params, sampling_seed, ep)))
-        action = TextAction(text=_add_reply(ep, c, chat))
-        # Environments that wait (sandboxed code, remote servers) offer step_async: the event loop
-        # keeps serving the other rollouts meanwhile.
-        step_async = getattr(env, "step_async", None)
-        obs = await step_async(action) if step_async is not None else env.step(action)
-        _observe(ep, obs, chat, max_turns)
-    return ep.to_rollout()
+    calls = EnvCalls(env)
+    try:
+        ep = Episode(env=env, group_id=group_id, seed=seed, sample_index=sample_index)
+        _opened(ep, await calls(lambda: env.reset(seed=seed)), chat)
+        while not ep.done:
+            c = await generate(SampleRequest(ep.token_ids.copy(), _turn_params(params, sampling_seed, ep)))
+            action = TextAction(text=_add_reply(ep, c, chat))
+            # Environments that wait (sandboxed code, remote servers) may offer step_async, awaited here on
+            # the loop; a synchronous step runs in a worker thread unless the env says it is cheap.
+            step_async = getattr(env, "step_async", None)
+            if step_async is not None:
+                obs = await step_async(action)
+            else:
+                obs = await calls(functools.partial(env.step, action))
+            _observe(ep, obs, chat, max_turns)
+        return ep.to_rollout()
+    finally:
+        if close:
+            calls.close()
 
 
 def run_scripted_episode(
