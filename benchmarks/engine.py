@@ -4,7 +4,9 @@ adapter in each decode step) vs one adapter at a time (one run per adapter), on 
 
 Both sample from the same distribution (temperature 1, top-k as given, 0 = off; note HF's own default
 is top_k=50) and produce exactly --new-tokens per prompt. Prints one JSON line last.
-Run: `inflight bench engine [--model DIR]` (default: the tiny preset, built locally).
+Run: `inflight bench engine [--model DIR]` (default: the tiny preset, built locally). `--vocab-size N` times
+the tiny preset's shape with an N-token vocabulary instead (random weights, no tokenizer: the prompts are
+random ids), where sampling over the vocabulary costs what it does for a real model (Qwen2.5: 151,936).
 
 `--backend vllm` also times vLLM (CPU build, `serve-engine --backend vllm` in the environment
 `launch/vllm_env.py` builds, float32) on the same model and requests, keys `vllm_*`. Its figures include
@@ -98,6 +100,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="vllm: also time vLLM on the same requests, over HTTP (vllm_* keys; see above)",
     )
     parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the tiny preset's shape with this many tokens (random weights; not with --model)",
+    )
     parser.add_argument("--adapters", type=int, default=8, help="multi-LoRA case: adapters")
     parser.add_argument(
         "--adapter-requests", type=int, default=8, help="multi-LoRA case: requests per adapter"
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.backend == "vllm" and args.dtype != "float32":
         parser.error("--backend vllm runs float32 (serve-engine's vLLM dtype): drop --dtype")
+    if args.vocab_size is not None and (args.model or args.backend == "vllm" or args.vocab_size < 2):
+        parser.error("--vocab-size (at least 2) builds a model in memory: not with --model or --backend vllm")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -116,11 +126,20 @@ def main(argv: list[str] | None = None) -> dict:
     from inflight.types import AdapterUpdate, SampleRequest, SamplingParams
 
     served_vllm = VllmEngineConfig()  # the limits serve-engine --backend vllm starts vLLM with
-    if args.model is None:
-        from inflight.models import build_tiny
+    if args.vocab_size is not None:
+        from inflight.models.tiny import PRESETS, model_config
 
-        args.model = str(build_tiny(tempfile.mkdtemp(prefix="inflight-bench-engine-"), preset="tiny"))
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            config = model_config(PRESETS["tiny"])
+            config.vocab_size = args.vocab_size
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    else:
+        if args.model is None:
+            from inflight.models import build_tiny
+
+            args.model = str(build_tiny(tempfile.mkdtemp(prefix="inflight-bench-engine-"), preset="tiny"))
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     model = model.to(getattr(torch, args.dtype))
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size

@@ -46,3 +46,16 @@ def test_vllm_runs_the_same_requests(tiny_model_dir: Path, monkeypatch: pytest.M
     ]
     assert all(result[key] > 0 for key in positive), {key: result[key] for key in positive}
     assert result["vllm_adapters_per_call"] == 4 and result["vllm_threads"] == 1
+
+
+def test_a_vocabulary_of_any_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--vocab-size`: the tiny preset's shape with another vocabulary, built in memory; every key reported
+    at tiny settings; and refused beside a model of its own."""
+    bench = importlib.import_module("benchmarks.engine")
+    settings = ["--batch-size", "3", "--new-tokens", "2", "--prompt-tokens", "3", "--repeats", "1"]
+    result = bench.main([*settings, "--adapters", "2", "--adapter-requests", "2", "--vocab-size", "50000"])
+    assert result["vocab_size"] == 50000 and set(BUILTIN_KEYS) <= set(result)
+    assert result["tokens_per_s"] > 0 and result["multi_lora_tokens_per_s"] > 0
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--vocab-size", "50000", "--model", "some/dir"])
+    assert exit_info.value.code == 2 and "not with --model" in capsys.readouterr().err
