@@ -172,7 +172,7 @@ def test_bad_ids_and_seq_ids_give_clear_errors(store: FutureStore) -> None:
             store.get(bad)
     with pytest.raises(UnknownFutureError):
         store.complete("12345", b"")
-    with pytest.raises(UserError, match="seq ids start at 0"):
+    with pytest.raises(UserError, match=r"seq ids start at 0 \(its create_model\), its other requests. at 1"):
         store.submit(M, -1, FWD_BWD, b"x")
     with pytest.raises(ValueError, match="need a seq_id"):
         store.submit(M, None, FWD_BWD, b"x")

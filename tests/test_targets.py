@@ -9,6 +9,7 @@ run directory exists.
 from __future__ import annotations
 
 import functools
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,18 @@ def test_package_module_and_module_attr() -> None:
     assert by_module.name == "guess_number" and by_module.env is None
     by_attr = resolve_target("inflight.envs.blackjack:BlackJackEnv")
     assert by_attr.name == "blackjack" and by_attr.env is BlackJackEnv
+
+
+def test_a_package_in_the_current_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`inflight run mytasks.add` from the directory holding `mytasks/`, as `python -m` would find it (the
+    console script does not put the directory on sys.path)."""
+    (tmp_path / "mytasks").mkdir()
+    write(tmp_path / "mytasks", "__init__.py", "")
+    write(tmp_path / "mytasks", "add.py", ROLLOUT_PAIR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    task = resolve_target("mytasks.add")
+    assert task.name == "add" and task.load_problems("train") == [{"x": 1}]
 
 
 def test_openenv_url() -> None:

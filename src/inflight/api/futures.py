@@ -396,7 +396,10 @@ class FutureStore:
         if seq_id is None and request_type.ordered:
             raise ValueError(f"{request_type} futures need a seq_id: they execute in seq_id order")
         if seq_id is not None and seq_id < FIRST_SEQ_ID:
-            raise UserError(f"invalid seq_id {seq_id} for {model_id!r}: seq ids start at {FIRST_SEQ_ID}")
+            raise UserError(
+                f"invalid seq_id {seq_id} for {model_id!r}: a model's seq ids start at {FIRST_SEQ_ID} (its "
+                f"create_model), its other requests' at {FIRST_SEQ_ID + 1}"
+            )
         digest = hashlib.sha256(payload).hexdigest()
         try:
             with self.db.write_connection() as connection:

@@ -53,8 +53,8 @@ def stop_on_signals(stop: StopRequest) -> Iterator[StopRequest]:
             raise KeyboardInterrupt
         stop.set(name)
         print(
-            f"inflight: {name}: stopping after the step in flight, then a checkpoint and the summary; "
-            "send it again to quit at once",
+            f"inflight: {name}: stopping after the step in flight (of the warm-up or the training), then "
+            "saving what the same command continues from, and the summary; send it again to quit at once",
             file=sys.stderr,
             flush=True,
         )

@@ -18,6 +18,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
 import traceback
@@ -108,6 +109,10 @@ def _load_file(path: Path) -> ModuleType:
 
 
 def _import(module_name: str, target: str) -> ModuleType:
+    # A module or package in the current directory imports as `python -m` would find it (a console script
+    # does not put the directory on sys.path); appended, so an installed module of the same name wins.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
