@@ -22,6 +22,19 @@ if TYPE_CHECKING:
     from inflight.api.service import ServiceConfig
 
 
+class NoWeights:
+    @staticmethod
+    def from_pretrained(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("weights were read before the bad input was reported")
+
+
+@pytest.fixture
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every model load goes through the loader's AutoModelForCausalLM: make reaching it fail the test (bad
+    input must be reported before any weight is read)."""
+    monkeypatch.setattr("inflight.models.loader.AutoModelForCausalLM", NoWeights)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from inflight.models import build_tiny
@@ -60,12 +73,14 @@ def close_sdk_sessions() -> Iterator[None]:
 @contextlib.contextmanager
 def sdk_server(config: ServiceConfig, **app_options: Any) -> Iterator[BackgroundServer]:
     """`inflight serve`'s app in-process on a free loopback port, with the environment the `tinker` SDK
-    reads (any API key, no telemetry). Import it from a test module: `from conftest import sdk_server`."""
+    reads (any API key, no telemetry, the hub offline). Import it from a test module:
+    `from conftest import sdk_server`."""
     from inflight.api.app import BackgroundServer, create_app
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TINKER_API_KEY", "tml-test")
         mp.setenv("TINKER_TELEMETRY", "0")
+        mp.setenv("HF_HUB_OFFLINE", "1")  # a base model named like a hub id is never looked up
         with BackgroundServer(create_app(config, **app_options)) as running:
             yield running
 

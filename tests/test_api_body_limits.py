@@ -17,7 +17,8 @@ import httpx
 import pytest
 import tinker
 
-from inflight.api.app import BackgroundServer, create_app
+from conftest import sdk_server
+from inflight.api.app import BackgroundServer
 from inflight.api.schemas import MAX_METADATA_BYTES, MAX_TAGS
 from inflight.api.service import ServiceConfig
 
@@ -32,12 +33,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     config = ServiceConfig(
         base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path_factory.mktemp("serve")
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_API_KEY", "tml-test")
-        mp.setenv("TINKER_TELEMETRY", "0")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        with BackgroundServer(create_app(config)) as running:
-            yield running
+    with sdk_server(config) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

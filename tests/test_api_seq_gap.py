@@ -19,7 +19,8 @@ import httpx
 import pytest
 import tinker
 
-from inflight.api.app import BackgroundServer, create_app
+from conftest import sdk_server
+from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig
 
 pytestmark = pytest.mark.slow
@@ -37,12 +38,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         state_dir=tmp_path_factory.mktemp("serve"),
         long_poll_hold_s=1.0,
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_API_KEY", "tml-test")
-        mp.setenv("TINKER_TELEMETRY", "0")
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        with BackgroundServer(create_app(config)) as running:
-            yield running
+    with sdk_server(config) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

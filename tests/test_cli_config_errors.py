@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -18,17 +17,6 @@ from pydantic import BaseModel
 from inflight.cli import main
 from inflight.config import RunConfig, apply_overrides
 from inflight.errors import UserError
-
-
-class _NoWeights:
-    @staticmethod
-    def from_pretrained(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("weights were read before the bad input was reported")
-
-
-@pytest.fixture
-def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("inflight.models.loader.AutoModelForCausalLM", _NoWeights)
 
 
 @pytest.fixture

@@ -12,26 +12,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+from conftest import NoWeights
 from inflight.cli import main
 from inflight.trainer import Trainer, TrainerConfig
 from inflight.trainer.checkpoint import WEIGHTS, save_checkpoint
-
-
-class _NoWeights:
-    @staticmethod
-    def from_pretrained(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("weights were read before the bad input was reported")
-
-
-@pytest.fixture
-def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every model load goes through the loader's AutoModelForCausalLM: make reaching it fail the test."""
-    monkeypatch.setattr("inflight.models.loader.AutoModelForCausalLM", _NoWeights)
 
 
 @pytest.fixture
@@ -190,7 +178,7 @@ def test_run_corrupt_checkpoint(capsys, tiny_model_dir: Path, tmp_path: Path) ->
     save_checkpoint(Trainer(load_model(tiny_model_dir), TrainerConfig()), checkpoint, extra={"step": 1})
     (checkpoint / WEIGHTS).write_bytes(b"\0" * 64)  # damaged after it was written
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("inflight.models.loader.AutoModelForCausalLM", _NoWeights)
+        m.setattr("inflight.models.loader.AutoModelForCausalLM", NoWeights)
         line = one_line_error(capsys, *run(tiny_model_dir, tmp_path / "run"))
     assert f"checkpoint {checkpoint} is incomplete or corrupt" in line and "move it away" in line
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,10 +23,10 @@ from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.rollout_group import sampling_params
 from inflight.orchestrator.stopping import StopRequest
 from inflight.orchestrator.task import Problems, Task, WarmupReply, train_problem
-from inflight.orchestrator.warmup import resume_warmup, save_warmup, warmup_trainer
+from inflight.orchestrator.warmup import resume_warmup, save_warmup, train_on_scripted, warmup_trainer
 from inflight.rollouts.api import RolloutContext, scripted_policy
 from inflight.rollouts.chat import ChatFormat
-from inflight.types import Rollout, TrainSample
+from inflight.types import Rollout
 
 
 async def _scripted_rollouts(
@@ -85,14 +84,7 @@ def task_warmup(
         rollouts = asyncio.run(_scripted_rollouts(task, problems, chat, reply, indices, cfg, guard))
         guard.check()
         if rollouts:
-            samples = [TrainSample.from_rollout(r, advantage=0.0) for r in rollouts]
-            if w.tokens == "all":
-                for sample in samples:
-                    sample.loss_mask = [1.0] * len(sample.token_ids)
-            metrics = trainer.train_step(samples)
-            metrics["reward_mean"] = statistics.fmean(r.reward for r in rollouts)
-            if logger is not None:
-                logger.log(step, metrics, phase="warmup")
+            metrics = train_on_scripted(trainer, rollouts, cfg, logger, step)
         if stop is not None and stop.is_set():
             break
     save_warmup(trainer, state_dir, step + 1, w.sft_steps, rng)

@@ -32,7 +32,7 @@ from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import run_scripted_episode
 from inflight.trainer import LossConfig, Trainer, TrainerConfig
 from inflight.trainer.checkpoint import META, find_checkpoint, load_checkpoint, save_checkpoint
-from inflight.types import TrainSample
+from inflight.types import Rollout, TrainSample
 
 WarmupReply = Callable[[Any, random.Random], str]  # (observation, rng) -> reply text
 WARMUP_DIR = "warmup"  # in the run directory: the warm-up's state (see the module docstring)
@@ -91,6 +91,22 @@ def save_warmup(trainer: Trainer, state_dir: Path | None, step: int, asked: int,
     save_checkpoint(trainer, state_dir, extra, optimizer=step < asked)
 
 
+def train_on_scripted(
+    trainer: Trainer, rollouts: list[Rollout], cfg: RunConfig, logger: MetricsLogger | None, step: int
+) -> dict[str, float]:
+    """One warm-up step on scripted rollouts: cross-entropy on their replies (`warmup.tokens=all`: on every
+    token), logged with phase=warmup unless `logger` is None. Both warm-ups' step."""
+    samples = [TrainSample.from_rollout(r, advantage=0.0) for r in rollouts]
+    if cfg.warmup.tokens == "all":
+        for sample in samples:
+            sample.loss_mask = [1.0] * len(sample.token_ids)
+    metrics = trainer.train_step(samples)
+    metrics["reward_mean"] = statistics.fmean(r.reward for r in rollouts)
+    if logger is not None:
+        logger.log(step, metrics, phase="warmup")
+    return metrics
+
+
 def random_legal_reply(obs: Any, rng: random.Random) -> str:
     """One of `obs.legal_actions`, uniformly: the replies of an environment with a fixed action menu."""
     legal = getattr(obs, "legal_actions", None)
@@ -147,14 +163,7 @@ def format_warmup(
         starts = [rng.getrandbits(62) for _ in range(-(-w.sft_batch_size // w.sft_group_size))]
         seeds = [s for s in starts for _ in range(w.sft_group_size)][: w.sft_batch_size]
         rollouts = [run_scripted_episode(env, s, policy, chat, cfg.grpo.max_turns) for s in seeds]
-        samples = [TrainSample.from_rollout(r, advantage=0.0) for r in rollouts]
-        if w.tokens == "all":
-            for sample in samples:
-                sample.loss_mask = [1.0] * len(sample.token_ids)
-        metrics = trainer.train_step(samples)
-        metrics["reward_mean"] = statistics.fmean(r.reward for r in rollouts)
-        if logger is not None:
-            logger.log(step, metrics, phase="warmup")
+        metrics = train_on_scripted(trainer, rollouts, cfg, logger, step)
         if stop is not None and stop.is_set():
             break
     env.close()
