@@ -22,6 +22,21 @@ if TYPE_CHECKING:
     from inflight.api.service import ServiceConfig
 
 
+def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run the CLI; assert exit 2 and a single `inflight: error:` line; return that line. Import it from a
+    test module: `from conftest import one_line_error`."""
+    from inflight.cli import main
+
+    capsys.readouterr()  # what the test's own setup printed
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("inflight: error: "), err
+    return lines[0]
+
+
 class NoWeights:
     @staticmethod
     def from_pretrained(*args: Any, **kwargs: Any) -> None:

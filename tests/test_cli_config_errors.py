@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from conftest import one_line_error
 from inflight.cli import main
 from inflight.config import RunConfig, apply_overrides
 from inflight.errors import UserError
@@ -34,18 +35,6 @@ def task(tmp_path: Path) -> Path:
         "    return chat.to_rollout(float(reply.strip() == str(problem['a'])), {})\n"
     )
     return path
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """Run the CLI; assert exit 2 and a single `inflight: error:` line; return that line."""
-    capsys.readouterr()
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("inflight: error: "), err
-    return lines[0]
 
 
 def refusal(override: str) -> str:

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import NoWeights
-from inflight.cli import main
+from conftest import NoWeights, one_line_error
 from inflight.trainer import Trainer, TrainerConfig
 from inflight.trainer.checkpoint import WEIGHTS, save_checkpoint
 
@@ -27,18 +26,6 @@ def a_file(tmp_path: Path) -> Path:
     path = tmp_path / "a-file"
     path.write_text("not a directory")
     return path
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """Run the CLI; assert exit 2 and a single `inflight: error:` line; return that line."""
-    capsys.readouterr()  # what the test's own setup printed
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("inflight: error: "), err
-    return lines[0]
 
 
 def serve(tiny_model_dir: Path, tmp_path: Path, *extra: str) -> list[str]:

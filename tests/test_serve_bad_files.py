@@ -22,20 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inflight.cli import main
+from conftest import one_line_error
 from inflight.errors import UserError
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """Run the CLI; assert exit 2 and a single `inflight: error:` line; return that line."""
-    capsys.readouterr()
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("inflight: error: "), err
-    return lines[0]
 
 
 def serve(model_dir: Path, state_dir: Path, *extra: str) -> list[str]:
