@@ -208,10 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
         "ray.num_engine_replicas; needs `pip install 'inflight[ray]'`). "
         "engine.backend=vllm samples from vLLM (its CPU build, in an environment built on first use) in a "
         "process beside the run, or in each replica's actor with launcher=ray. "
-        "A run directory with a checkpoint is resumed. Ctrl-C or SIGTERM stops it after the step in "
-        "flight, with a checkpoint, the final evaluation and the summary (exit code 130 / 143; a second "
-        "signal quits at once). Prints one JSON summary line at the end. Writing a task: "
-        "docs/bring-your-own-task.md.",
+        "A run directory with a checkpoint is resumed (not one of another task, nor one already past "
+        "grpo.steps). Ctrl-C or SIGTERM stops it after the step in flight, with a checkpoint, the final "
+        "evaluation and the summary; during the warm-up, with the warm-up's state, which the same command "
+        "continues (exit code 130 / 143; a second signal quits at once). Prints one JSON summary line at "
+        "the end. Writing a task: docs/bring-your-own-task.md.",
     )
     run.add_argument(
         "target",
