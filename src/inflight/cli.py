@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         action="append",
         default=[],
-        help="accepted X-API-Key (repeatable; empty or blank keys are refused); without one the server only "
+        help="accepted X-API-Key (repeatable; empty or blank keys are refused); each key is a tenant that "
+        "sees only its own runs, checkpoints and futures (docs/security.md); without one the server only "
         "listens on loopback",
     )
     serve.add_argument(
