@@ -19,8 +19,8 @@ import pytest
 
 from inflight.config import RolloutConfig, RunConfig
 from inflight.envs.base import Environment, State, TextAction, TextObservation
-from inflight.errors import UserError
-from inflight.orchestrator.guard import RolloutGuard, describe_failure, error_key, rollout_problem
+from inflight.errors import UserError, describe
+from inflight.orchestrator.guard import RolloutGuard, error_key, rollout_problem
 from inflight.orchestrator.task import checked_env_kwargs, make_env
 from inflight.rollouts.api import RolloutContext
 from inflight.types import Rollout
@@ -112,11 +112,11 @@ def test_an_observation_with_a_bad_field_names_it() -> None:
 
     with pytest.raises(Exception) as e:
         BadReward().step(TextAction(text="yes"))
-    assert describe_failure(e.value) == (
+    assert describe(e.value) == (
         "ValidationError: TextObservation.reward = 'good' (str): Input should be a valid number, unable to "
         "parse string as a number"
     )
-    assert describe_failure(KeyError("answer")) == "KeyError: 'answer'"  # anything else: as before
+    assert describe(KeyError("answer")) == "KeyError: 'answer'"  # anything else: as before
 
 
 def test_errors_that_differ_only_by_an_id_count_as_one() -> None:

@@ -22,8 +22,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from inflight.config import RolloutConfig
 from inflight.errors import UserError, describe
 from inflight.orchestrator.task import GenerateRollout, Problem
@@ -84,7 +82,7 @@ class RolloutGuard:
             limit = f"rollout.timeout_s={self.config.timeout_s:g}"
             error = f"TimeoutError: generate_rollout ran past {limit} s" if timed_out else describe(e)
         except Exception as e:  # the task's own failure: counted, and fatal only in numbers (`check`)
-            error = describe_failure(e)
+            error = describe(e)
         else:
             wrong = rollout_problem(result)
             if wrong is None:
@@ -193,23 +191,6 @@ def _as_float(value: Any) -> float | None:
         return float(value)
     except OverflowError:  # an int past float's range
         return math.inf
-
-
-def describe_failure(e: BaseException) -> str:
-    """`describe(e)`; for a pydantic ValidationError (an observation built with a bad field) also the field,
-    the value and what was expected, which its first line ("1 validation error for X") leaves out."""
-    if not isinstance(e, ValidationError):
-        return describe(e)
-    errors = e.errors()
-    if not errors:
-        return describe(e)
-    first = errors[0]
-    where = ".".join(str(part) for part in first["loc"])
-    value = first.get("input")
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return (
-        f"ValidationError: {e.title}.{where} = {value!r:.40} ({type(value).__name__}): {first['msg']}{more}"
-    )
 
 
 def error_key(error: str) -> str:
