@@ -92,6 +92,8 @@ def checked_env_kwargs(factory: EnvFactory | None, kwargs: dict[str, Any], name:
     load) rather than a TypeError in every rollout. Arguments without an annotation it can read pass as
     given; unknown names are `preflight.check_env`'s."""
     checked = dict(kwargs)
+    if not checked:  # every episode builds an environment: most tasks pass no kwargs
+        return checked
     arguments = _kwarg_checks(factory)
     for key, value in kwargs.items():
         if key not in arguments:
