@@ -16,6 +16,7 @@ if TYPE_CHECKING:
         batch_group_advantages,
         group_advantages,
     )
+    from inflight.losses.clip_settings import CLIP_DEFAULTS
     from inflight.losses.importance import off_policy_stats, step_gap_stats
     from inflight.losses.kl import KL_ESTIMATORS, KLEstimator, kl_k1, kl_k2, kl_k3, kl_ref_to_policy_exact
     from inflight.losses.logprobs import entropy_from_logits, token_logprobs, top_k_entropy_from_logits
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
         offpolicy_thresholds,
     )
     from inflight.losses.policy import (
-        CLIP_DEFAULTS,
         DRO_DEFAULT_BETA,
         LOSSES,
         STABLE_REINFORCE_DEFAULT_KL_COEFF,
@@ -69,7 +69,7 @@ __getattr__ = lazy_exports(
         "Correction": ".offpolicy",
         "OffPolicyKind": ".offpolicy_settings",
         "offpolicy_thresholds": ".offpolicy_settings",
-        "CLIP_DEFAULTS": ".policy",
+        "CLIP_DEFAULTS": ".clip_settings",
         "DRO_DEFAULT_BETA": ".policy",
         "LOSSES": ".policy",
         "STABLE_REINFORCE_DEFAULT_KL_COEFF": ".policy",

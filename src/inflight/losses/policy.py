@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from inflight.losses.clip_settings import clip_thresholds
 from inflight.losses.importance import masked_mean, off_policy_stats, to_floats
 from inflight.losses.kl import kl_k3
 from inflight.losses.offpolicy import OFFPOLICY_CONTROLS
 from inflight.losses.offpolicy_settings import OffPolicyKind, offpolicy_thresholds
 
-# Per-loss defaults of Tinker's `loss_fn_config` ratio thresholds (reference/tinker-api.md §7.3).
-CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
 # DRO's quadratic-penalty coefficient when `loss_fn_config` has no "beta". Tinker's DRO page shows only a
 # custom value (0.05); 0.01 is the default of the published reference `dro_loss(loss_fn_inputs, config)`.
 DRO_DEFAULT_BETA = 0.01
@@ -56,14 +55,7 @@ class LossParams:
     offpolicy_ratio_high: float | None = None
 
     def clip_thresholds(self, loss_name: str) -> tuple[float, float]:
-        default_low, default_high = CLIP_DEFAULTS[loss_name]
-        low = default_low if self.clip_low_threshold is None else self.clip_low_threshold
-        high = default_high if self.clip_high_threshold is None else self.clip_high_threshold
-        if not 0.0 <= low <= high:
-            raise ValueError(
-                f"{loss_name} needs 0 <= clip_low_threshold <= clip_high_threshold, got {low}, {high}"
-            )
-        return low, high
+        return clip_thresholds(loss_name, self.clip_low_threshold, self.clip_high_threshold)
 
 
 @dataclass(frozen=True)

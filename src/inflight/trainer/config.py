@@ -6,14 +6,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from inflight.losses.clip_settings import CLIP_DEFAULTS, clip_thresholds
 from inflight.losses.offpolicy_settings import OffPolicyKind, offpolicy_thresholds
 from inflight.models.lora_targets import ATTN_TARGETS, LORA_ALPHA, MLP_TARGETS, UNEMBED_TARGETS
 
 LossName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 Reduction = Literal["token_sum", "token_mean", "seq_mean", "constant"]
-# The (low, high) ratio thresholds of the clipped losses when left unset: `losses/policy.py`'s CLIP_DEFAULTS,
-# repeated because that module imports torch and reading a config must not (a test keeps the two equal).
-CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
 # NaN and infinity (`key=NaN` on the command line parses as a float) pass `<= 0` checks unnoticed and
 # mean nothing for any of these knobs: refused for every float field.
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -47,8 +45,7 @@ class LossConfig(BaseModel):
     name: LossName = "ppo"  # Tinker's loss names
     reduction: Reduction = "token_mean"
     constant_normalizer: float | None = Field(default=None, gt=0)  # only for reduction=constant (Dr.GRPO)
-    # Ratio thresholds (ppo, cispo); None = the loss's own default (CLIP_DEFAULTS). The loss checks
-    # 0 <= low <= high only once it runs (after the weights load); the config checks it first.
+    # Ratio thresholds (ppo, cispo); None = the loss's own default (`losses/clip_settings.py`).
     clip_low_threshold: float | None = Field(default=None, ge=0)
     clip_high_threshold: float | None = Field(default=None, ge=0)
     offpolicy: OffPolicyConfig = OffPolicyConfig()  # truncated/masked IS, IcePop, geometric masking
@@ -67,15 +64,8 @@ class LossConfig(BaseModel):
             raise ValueError("loss.entropy_top_k must be 0 (whole vocabulary) or >= 2")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("loss.kl_coef and loss.entropy_coef must be >= 0")
-        if self.name in CLIP_DEFAULTS:
-            default_low, default_high = CLIP_DEFAULTS[self.name]
-            low = default_low if self.clip_low_threshold is None else self.clip_low_threshold
-            high = default_high if self.clip_high_threshold is None else self.clip_high_threshold
-            if low > high:
-                raise ValueError(
-                    f"trainer.loss.clip_low_threshold must be <= clip_high_threshold, got {low} > {high} "
-                    f"(loss {self.name}'s defaults, used when unset: {default_low} and {default_high})"
-                )
+        if self.name in CLIP_DEFAULTS:  # the loss's own check, before any weights load
+            clip_thresholds(self.name, self.clip_low_threshold, self.clip_high_threshold)
         return self
 
 
