@@ -42,8 +42,8 @@ class SamplingConfig(_Config):
     # The ranges SamplingParams (types.py) enforces on every request, checked here so that a bad value
     # fails when the command line is read, not in the first rollout after the weights loaded.
     temperature: float = Field(default=1.0, ge=0)  # 0 = greedy
-    top_p: float = Field(default=1.0, gt=0, le=1)  # < 1 truncates the behaviour distribution; the IS ratio
-    # then corrects for it
+    # < 1 truncates the behaviour distribution; the IS ratio then corrects for it
+    top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)  # 0 = off
     max_tokens_per_turn: int = Field(default=16, ge=1)
 
