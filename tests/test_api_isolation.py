@@ -383,7 +383,7 @@ def test_a_tenants_diverged_adapter_fails_its_own_samples_and_no_one_elses(
         )
         training.forward_backward([datum], "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=1e30)).result()
-        diverged = training.save_weights_and_get_sampling_client("diverged")
+        diverged = training.save_weights_and_get_sampling_client().result()
         base = b.create_sampling_client(base_model=BASE).result()
         reference = base.sample(prompt, 16, params).result().sequences
         with pytest.raises(Exception, match="not finite"):
