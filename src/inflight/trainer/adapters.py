@@ -21,7 +21,7 @@ from inflight.errors import UserError
 from inflight.models.lora import LoraPlan, LoraRouter, attach_multi_lora
 from inflight.models.lora_adapter import LoraAdapter, select_targets
 from inflight.trainer.adapter_checkpoint import optimizer_state_dict, read_adapter_tensors
-from inflight.trainer.optim import adamw_step, check_finite_gradient, new_adamw
+from inflight.trainer.optim import adamw_step, new_adamw
 from inflight.trainer.tinker_losses import PreparedJob
 from inflight.trainer.tinker_pass import FbWork, run_forward_backward
 from inflight.trainer.types import ForwardBackwardOutput, LoraSpec, OptimStep
@@ -145,10 +145,9 @@ class AdapterSet:
     def optim_step(self, step: OptimStep) -> dict[str, float]:
         """AdamW exactly like torch.optim.AdamW with this step's hyper-parameters (after clipping the
         adapter's gradient norm when grad_clip_norm > 0), then zero its gradients. A gradient that is not
-        finite is discarded instead, and the step refused (`check_finite_gradient`)."""
+        finite is discarded instead, and the step refused (`adamw_step`'s refuse_non_finite)."""
         trained = self.get(step.model_id)
-        check_finite_gradient(trained.adapter.parameters(), step.model_id)
-        grad_norm = adamw_step(trained.optimizer, trained.adapter.parameters(), step)
+        grad_norm = adamw_step(trained.optimizer, trained.adapter.parameters(), step, refuse_non_finite=True)
         trained.adapter.zero_grad_buffers()
         trained.steps += 1
         return {

@@ -40,31 +40,22 @@ def check_optim_step(step: OptimStep) -> None:
         raise UserError(f"optim_step for model {step.model_id!r}: {'; '.join(problems)}")
 
 
-def check_finite_gradient(params: Sequence[Tensor], model_id: str) -> None:
-    """A UserError when the gradient accumulated in `params` holds a NaN or an infinity, after zeroing it:
-    a step would write NaN into every weight (and AdamW's moments) for good, and the next forward_backward
-    would accumulate onto it again. Weights, moments and the step count stay as they were. Reads the norm
-    (waits for the device)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    norm = float(torch.nn.utils.get_total_norm(grads))
-    if math.isfinite(norm):
-        return
-    for grad in grads:
-        grad.zero_()
-    raise UserError(
-        f"optim_step for model {model_id!r}: the gradient accumulated since the last step is not finite "
-        f"(norm {norm}), so no step was taken and it was discarded: a loss of the forward_backward calls "
-        "before it overflowed (loss weights or advantages too large?); send them again with smaller values"
-    )
-
-
-def adamw_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], step: OptimStep) -> Tensor:
+def adamw_step(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[Tensor],
+    step: OptimStep,
+    *,
+    refuse_non_finite: bool = False,
+) -> Tensor:
     """torch.optim.AdamW exactly, with this step's hyper-parameters, after clipping the global gradient
     norm of `params` to `step.grad_clip_norm` (0: no clipping). Returns the norm before clipping, on the
     parameters' device (reading it is the caller's choice: it waits for the device). Gradients are left
-    for the caller to zero."""
+    for the caller to zero.
+
+    `refuse_non_finite` (reads the norm: waits for the device): a gradient holding a NaN or an infinity is
+    zeroed and the step refused with a UserError, weights, moments and step count left as they were; a
+    step would write NaN into every weight and AdamW's moments for good, and the next forward_backward
+    would accumulate onto it again."""
     check_optim_step(step)
     for group in optimizer.param_groups:
         group.update(
@@ -75,6 +66,15 @@ def adamw_step(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], step:
         )
     grads = [p.grad for p in params if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads)
+    if refuse_non_finite and not math.isfinite(norm := float(grad_norm)):
+        for grad in grads:
+            grad.zero_()
+        raise UserError(
+            f"optim_step for model {step.model_id!r}: the gradient accumulated since the last step is "
+            f"not finite (norm {norm}), so no step was taken and it was discarded: a loss of the "
+            "forward_backward calls before it overflowed (loss weights or advantages too large?); send them "
+            "again with smaller values"
+        )
     if step.grad_clip_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, step.grad_clip_norm, grad_norm)
     optimizer.step()
