@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import sample_body, sdk_server
 from inflight.api.access_log import REQUEST_LOGGER
 from inflight.api.app import BackgroundServer, create_app
+from inflight.api.auth import tenant_of
 from inflight.api.db import Database, sqlite_url
 from inflight.api.futures import Future, FutureStore
 from inflight.api.metrics import RateWindow
@@ -312,6 +313,11 @@ def test_one_json_line_per_request_with_its_ids_and_never_the_key_query_or_body(
         for secret in (KEY, "tml-wrong", "query-secret-77", secret_body):
             assert secret not in text
     by_path = {(line["method"], line["path"]): line for line in lines if line["status"] == 200}
+    # Every request the key check accepted names its tenant; the refused one (a wrong key) and the open
+    # health check name none.
+    for line in lines:
+        unkeyed = line["status"] == 401 or line["path"] == "/api/v1/healthz"
+        assert line.get("tenant") == (None if unkeyed else tenant_of(KEY)), line
     assert by_path[("POST", "/api/v1/create_session")]["session_id"] == session_id
     sample_line = by_path[("POST", "/api/v1/asample")]
     assert sample_line["request_id"] == request_id and sample_line["seq_id"] == 1
@@ -335,6 +341,7 @@ def test_training_lines_name_the_model_and_the_session(server: BackgroundServer,
     assert line["model_id"] == training.model_id
     assert line["session_id"] == training.model_id.partition(":")[0]
     assert line["seq_id"] >= 1 and line["request_id"].isdigit()
+    assert line["tenant"] == tenant_of(KEY)  # who sent it: the key's tenant id, never the key
     service.close("success").result()
 
 

@@ -2,8 +2,11 @@
 
 The line is JSON on the `inflight.api.requests` logger (INFO; route it like any Python logger):
   {"method": "POST", "path": "/api/v1/asample", "status": 200, "latency_ms": 3.2, "client": "127.0.0.1",
-   "request_id": "17", "sampling_session_id": "session-…:sample:0", "session_id": "session-…", "seq_id": 4}
-The ids are what the routes `annotate` and the route's path parameters; never a header (the API key), a
+   "tenant": "9f86d081884c7d65", "request_id": "17", "sampling_session_id": "session-…:sample:0",
+   "session_id": "session-…", "seq_id": 4}
+`tenant` (on a server with API keys, once the key was accepted) is the key's tenant id, the first 16 hex
+digits of its SHA-256 (`auth.tenant_of`): who sent the request, never the key itself. The other ids are what
+the routes `annotate` and the route's path parameters; never a header (the API key), a
 query string (a download link's signature) or a body. The same fields ride on the record as
 `record.inflight_request` for handlers that format their own.
 """
@@ -19,6 +22,7 @@ from typing import Any
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from inflight.api.auth import scope_tenant
 from inflight.api.futures import Future, RequestType
 from inflight.api.metrics import ServiceMetrics
 
@@ -93,12 +97,14 @@ class AccessLogMiddleware:
         if isinstance(owner, str) and ":" in owner:  # "{session_id}:train:{n}" / "{session_id}:sample:{n}"
             ids.setdefault("session_id", owner.partition(":")[0])
         client = scope.get("client")
+        tenant = scope_tenant(scope)  # set by the key check, on this same scope, once the key passed
         line = {
             "method": scope["method"][:16],
             "path": scope["path"][:_MAX_PATH_CHARS],
             "status": status,
             "latency_ms": round(seconds * 1000, 2),
             "client": client[0] if client else None,
+            **({"tenant": tenant} if tenant else {}),
             **ids,
         }
         self.logger.info(json.dumps(line, default=str), extra={"inflight_request": line})
