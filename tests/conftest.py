@@ -18,8 +18,11 @@ import pytest
 import inflight  # noqa: F401  (sets OpenMP's spin count before any test module loads torch)
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from inflight.api.app import BackgroundServer
     from inflight.api.service import ServiceConfig
+    from inflight.envs.sandbox import SandboxLimits, SandboxResult
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -48,6 +51,28 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every model load goes through the loader's AutoModelForCausalLM: make reaching it fail the test (bad
     input must be reported before any weight is read)."""
     monkeypatch.setattr("inflight.models.loader.AutoModelForCausalLM", NoWeights)
+
+
+class LimitsSeen:
+    """A sandbox Verifier that runs nothing: it records the limits each execution was asked to run under
+    and answers it "timeout". Import it from a test module: `from conftest import LimitsSeen`."""
+
+    def __init__(self) -> None:
+        self.limits: list[SandboxLimits | None] = []
+
+    async def run(self, code: str, *, stdin: str = "", limits: SandboxLimits | None = None) -> SandboxResult:
+        return self.run_many([code], stdin=stdin, limits=limits)[0]
+
+    def run_many(
+        self, codes: Sequence[str], *, stdin: str = "", limits: SandboxLimits | None = None
+    ) -> list[SandboxResult]:
+        from inflight.envs.sandbox import SandboxResult
+
+        self.limits += [limits] * len(codes)
+        return [SandboxResult.not_run("timeout", "not run", "rlimit") for _ in codes]
+
+    def stats(self) -> dict[str, int]:
+        return {}
 
 
 @pytest.fixture(scope="session")

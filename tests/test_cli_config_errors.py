@@ -109,6 +109,25 @@ def test_every_numeric_key_refuses_what_means_nothing(key: str) -> None:
         assert key.rsplit(".", 1)[-1] in message, message
 
 
+def test_a_reply_limit_that_leaves_no_room_for_a_prompt_is_refused(
+    capsys, task: Path, tiny_model_dir: Path, tmp_path: Path, no_weights
+) -> None:
+    message = refusal("sampling.max_tokens_per_turn=1024")  # engine.max_seq_len_tokens: 1024
+    assert message == (
+        "invalid config: sampling.max_tokens_per_turn=1024 leaves no room for a prompt in "
+        "engine.max_seq_len_tokens=1024 (prompt and reply together): set sampling.max_tokens_per_turn "
+        "below 1024, or engine.max_seq_len_tokens above 1024"
+    )
+    fits = apply_overrides(RunConfig(), ["engine.max_seq_len_tokens=64", "sampling.max_tokens_per_turn=63"])
+    assert fits.sampling.max_tokens_per_turn == 63
+    line = one_line_error(
+        capsys, "run", str(task), f"model.path={tiny_model_dir}", "engine.max_seq_len_tokens=32",
+        "sampling.max_tokens_per_turn=48", "--run-dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert "max_tokens_per_turn=48 leaves no room for a prompt in engine.max_seq_len_tokens=32" in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_clip_thresholds_are_checked_against_the_losss_defaults() -> None:
     message = refusal("trainer.loss.clip_low_threshold=1.5")  # ppo's high is 1.2
     assert "ppo needs 0 <= clip_low_threshold <= clip_high_threshold, got 1.5 and 1.2" in message

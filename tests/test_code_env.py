@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LimitsSeen
 from inflight.envs import TextAction, make_env
 from inflight.envs.code import RESULT_MARKER, CodeEnv, extract_code, load_problems
 from inflight.envs.sandbox import SandboxLimits, VerifierPool, bwrap_problem
@@ -176,3 +177,20 @@ def test_registry_and_bad_inputs(tmp_path: Path) -> None:
 )
 def test_extract_code(reply: str, code: str | None) -> None:
     assert extract_code(reply) == code
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_no_test_runs_past_the_time_its_episode_has_left(asynchronous: bool) -> None:
+    pool = LimitsSeen()
+    env = CodeEnv(pool=pool, limits=SandboxLimits(wall_s=5, cpu_s=3))
+    reply = TextAction(text=fenced("def add(a, b):\n    return a + b"))
+    walls = []
+    for timeout_s in (None, 0.5, 60.0):  # none given, less than wall_s, more
+        env.reset(problem_id="add")
+        pool.limits.clear()
+        if asynchronous:
+            asyncio.run(env.step_async(reply, timeout_s=timeout_s))
+        else:
+            env.step(reply, timeout_s=timeout_s)
+        walls.append({limits.wall_s if limits else None for limits in pool.limits})
+    assert walls == [{5.0}, {0.5}, {5.0}]

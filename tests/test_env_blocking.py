@@ -4,7 +4,9 @@ Before, a step that blocked (a sleep, a socket, a lock) ran on the event loop: t
 `rollout.timeout_s` could not fire. Now such calls run in a worker thread, one at a time per environment,
 so a timeout ends the episode at once and the loop serves the other episodes meanwhile; an environment
 that declares its methods quick (`blocking = False`) is called on the loop, and `step_async` is awaited
-there. A worker thread stuck for good never keeps the process from exiting.
+there. A worker thread stuck for good never keeps the process from exiting. Each step is told the seconds
+of `rollout.timeout_s` left (OpenEnv's `step(action, timeout_s)`), unless its signature has no `timeout_s`
+(the older documented `step(self, action)`), which still plays.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from typing import Any
 
 import pytest
 
+from inflight.config import RolloutConfig, RunConfig
 from inflight.envs.base import Environment, State, TextAction, TextObservation
 from inflight.models.loader import load_tokenizer
+from inflight.orchestrator.guard import RolloutGuard
+from inflight.orchestrator.task import env_task
+from inflight.rollouts.api import RolloutContext
 from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import play_episode
-from inflight.types import Completion, SampleRequest, SamplingParams
+from inflight.types import Completion, Rollout, SampleRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +177,66 @@ def test_a_step_stuck_for_good_does_not_keep_the_process_from_exiting(tmp_path: 
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "timed out\n", done.stderr
+
+
+class Timed(Recorder):
+    """Records the `timeout_s` each step was given (OpenEnv's signature)."""
+
+    def __init__(self) -> None:
+        super().__init__(steps=3)
+        self.timeouts: list[float | None] = []
+
+    def step(self, action: TextAction, timeout_s: float | None = None, **kw: Any) -> TextObservation:
+        self.timeouts.append(timeout_s)
+        return super().step(action)
+
+
+class TimedAsync(Timed):
+    async def step_async(
+        self, action: TextAction, timeout_s: float | None = None, **kw: Any
+    ) -> TextObservation:
+        return self.step(action, timeout_s)
+
+
+class OlderStep(Recorder):
+    """Written against the older documented signature: no `timeout_s`, no **kwargs."""
+
+    def step(self, action: TextAction) -> TextObservation:  # type: ignore[override]
+        return super().step(action)
+
+
+class OlderStepAsync(OlderStep):
+    async def step_async(self, action: TextAction) -> TextObservation:
+        return self.step(action)
+
+
+def guarded_episode(env: Environment[Any, Any, Any], chat: ChatFormat, timeout_s: float) -> Rollout | None:
+    """`env` played as an Env task's rollout is, under the guard that bounds it by rollout.timeout_s."""
+    cfg = RunConfig(rollout=RolloutConfig(timeout_s=timeout_s))
+    task = env_task("timed", lambda: env)
+    ctx = RolloutContext(reply, chat, SamplingParams(max_tokens=4), "g", 0, 0, None, cfg)
+    guard = RolloutGuard(cfg.rollout, min_rollouts=1)
+    rollout = asyncio.run(guard.run(task.generate_rollout, ctx, {"seed": 0, "split": "train"}))
+    assert guard.failed == 0, guard.errors
+    return rollout
+
+
+@pytest.mark.parametrize("kind", [Timed, TimedAsync])
+def test_each_step_is_told_the_seconds_left_of_rollout_timeout_s(chat: ChatFormat, kind: type[Timed]) -> None:
+    env = kind()
+    assert guarded_episode(env, chat, timeout_s=30.0) is not None
+    left = env.timeouts
+    assert len(left) == 3 and all(t is not None and 29.0 < t <= 30.0 for t in left), left
+    assert left == sorted(left, reverse=True)  # the same deadline, read later each step
+    # Played outside the guard, the episode has no deadline: nothing is passed.
+    unbounded = kind()
+    asyncio.run(play(unbounded, chat))
+    assert unbounded.timeouts == [None, None, None]
+
+
+@pytest.mark.parametrize("kind", [OlderStep, OlderStepAsync])
+def test_a_step_without_timeout_s_in_its_signature_still_plays(
+    chat: ChatFormat, kind: type[Recorder]
+) -> None:
+    rollout = guarded_episode(kind(), chat, timeout_s=30.0)
+    assert rollout is not None and rollout.reward == 1.0 and rollout.metrics["turns"] == 3.0

@@ -38,6 +38,7 @@ from inflight.envs import (
     episode_seeds,
     make_env,
     play_episodes,
+    register_env,
 )
 from inflight.envs.blackjack import basic_strategy, basic_strategy_policy, play_hands
 from inflight.envs.openenv_client import OpenEnvClientEnv, OpenEnvError
@@ -333,6 +334,27 @@ def test_every_registered_env_is_served_as_it_plays_locally(name: str) -> None:
     local.close()
 
 
+def test_an_env_with_the_older_step_signature_is_served() -> None:
+    """`step(self, action)`, as inflight documented it before OpenEnv's `timeout_s`: stepped without it."""
+    from fastapi.testclient import TestClient
+
+    class OlderStep(BlackJackEnv):
+        def step(self, action: TextAction) -> BlackJackObservation:  # type: ignore[override]
+            return super().step(action)
+
+    seed = next(s for s in range(100) if not BlackJackEnv().reset(seed=s).done)
+    register_env("older-step", OlderStep)
+    try:
+        with TestClient(create_app("older-step")) as http, http.websocket_connect("/ws") as ws:
+            ws.send_json({"type": "reset", "data": {"seed": seed}})
+            assert ws.receive_json()["type"] == "observation"
+            ws.send_json({"type": "step", "data": {"text": "stand"}})
+            answer = ws.receive_json()
+            assert answer["type"] == "observation" and answer["data"]["done"], answer
+    finally:
+        ENVS.pop("older-step")
+
+
 def test_environment_types_follow_generic_subclasses() -> None:
     from typing import Generic, TypeVar
 
@@ -510,6 +532,19 @@ def test_client_errors_are_clear_and_name_the_server(spell_url: str) -> None:
     env._ws.close()  # ... or within one: that episode cannot go on
     with pytest.raises(OpenEnvError, match="closed the session during step"):
         env.step(TextAction(text="stone"))
+    env.close()
+
+
+def test_a_steps_timeout_bounds_the_wait_and_never_lengthens_message_timeout_s(spell_url: str) -> None:
+    env = OpenEnvClientEnv(spell_url, prompt_field="instruction", message_timeout_s=0.5)
+    env.reset(seed=0)
+    with pytest.raises(OpenEnvError, match=r"to step within 0\.5 s \(message_timeout_s\)"):
+        env.step(TextAction(text="slow"), timeout_s=30.0)  # the episode has longer: the client's bound holds
+    env.close()
+    env = OpenEnvClientEnv(spell_url, prompt_field="instruction")  # message_timeout_s: 60 s
+    env.reset(seed=0)
+    with pytest.raises(OpenEnvError, match=r"to step within 0\.5 s \(the step's timeout_s\)"):
+        env.step(TextAction(text="slow"), timeout_s=0.5)  # the episode has 0.5 s left
     env.close()
 
 

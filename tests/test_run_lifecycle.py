@@ -1,8 +1,8 @@
 """A run's life across processes (`orchestrator/run.py`): a resume neither warms up nor evaluates the initial
 policy again and says where it starts; its summary covers the whole run; a finished run run again has
 nothing to do; another task's run directory, a checkpoint past grpo.steps or one of another model is
-refused in one line; a signal stops the warm-up after its step in flight, and the same command continues
-it, each warm-up step trained and logged once."""
+refused in one line, the run directory left byte for byte as it was; a signal stops the warm-up after its
+step in flight, and the same command continues it, each warm-up step trained and logged once."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -216,3 +217,50 @@ def test_a_signal_during_the_warmup_stops_it_after_its_step(
     assert f"continuing the warm-up after its step {done} of {steps}" in err
     assert last_json(out)["steps"] == 2
     assert [r["step"] for r in rows(run_dir) if r["phase"] == "warmup"] == list(range(more))
+
+
+def snapshot(run_dir: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every path under `run_dir` (itself included): its mtime and, for a file, its bytes."""
+    seen: dict[str, tuple[int, bytes | None]] = {}
+    for path in [run_dir, *sorted(run_dir.rglob("*"))]:
+        content = path.read_bytes() if path.is_file() else None
+        seen[str(path.relative_to(run_dir))] = (path.stat().st_mtime_ns, content)
+    return seen
+
+
+def other_model(tiny_model_dir: Path, directory: Path) -> Path:
+    """The tiny model's tokenizer with weights of another shape (hidden_size 64, not 128)."""
+    shutil.copytree(tiny_model_dir, directory)
+    preset = dataclasses.replace(PRESETS["tiny"], hidden_size=64)
+    AutoModelForCausalLM.from_config(model_config(preset)).save_pretrained(directory)
+    return directory
+
+
+def test_a_refused_resume_leaves_the_run_directory_untouched(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    task, run_dir = write_task(tmp_path, "varied"), tmp_path / "run"
+    assert main(argv(task, tiny_model_dir, run_dir, 1, "mode=async")) == 0
+    # A saved warm-up and no checkpoint yet (as a run stopped before its first step leaves it).
+    warmed_up = tmp_path / "warmed-up"
+    shutil.copytree(run_dir, warmed_up)
+    shutil.rmtree(warmed_up / "checkpoint")
+    other = other_model(tiny_model_dir, tmp_path / "other-model")
+    lora = "trainer.lora_rank=4"
+    refused = [
+        (run_dir, argv(task, other, run_dir, 2, "mode=async"), "was trained from a different model"),
+        (run_dir, argv(task, tiny_model_dir, run_dir, 2, "mode=async", lora), "holds a full model"),
+        (warmed_up, argv(task, other, warmed_up, 2, "mode=async"), "was trained from a different model"),
+        (run_dir, argv(write_task(tmp_path, "single"), tiny_model_dir, run_dir, 2), "'varied', not 'single'"),
+        (run_dir, argv(task, tiny_model_dir, run_dir, 0), "past grpo.steps=0"),
+    ]
+    for directory, command, expected in refused:
+        before = snapshot(directory)
+        capsys.readouterr()
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert snapshot(directory) == before, err
+        # One line of its own (beside transformers' progress bar when the model loaded): no "resuming" first.
+        said = [line for line in err.splitlines() if line.startswith("inflight: ")]
+        assert len(said) == 1 and said[0].startswith("inflight: error: ") and expected in said[0], err
+        assert "Traceback" not in err

@@ -1,6 +1,6 @@
 """Ctrl-C or SIGTERM during `inflight run`: the step in flight finishes, then the checkpoint, the final
 evaluation and the summary (`stopped` names the signal, exit code 128 + its number); the same command
-resumes it. A second signal quits at once."""
+resumes it. During the initial evaluation, no step is trained. A second signal quits at once."""
 
 from __future__ import annotations
 
@@ -109,3 +109,66 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint_it_resumes_from
     assert resumed["steps"] == stopped_at + 2 and resumed["stopped"] is None
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["phase"] == "train"] == list(range(stopped_at + 2))
+
+
+# Sends this process SIGTERM from its first test rollout (once: it removes the marker file): a signal during
+# the initial evaluation. Warmed up first, so that the run has a warm-up to keep.
+TASK_SIGNALLED_IN_EVALUATION = """
+import os
+import signal
+from pathlib import Path
+
+MARKER = Path({marker!r})
+
+
+def load_problems(split):
+    return [{{"i": i, "split": split}} for i in range(8)]
+
+
+async def generate_rollout(ctx, problem):
+    if problem["split"] == "test" and MARKER.exists():
+        MARKER.unlink()
+        os.kill(os.getpid(), signal.SIGTERM)
+    chat = ctx.chat()
+    chat.user(f"Say something {{problem['i']}}")
+    reply = await chat.assistant()
+    return chat.to_rollout(float(len(reply) % 3) / 2, {{}})
+
+
+def warmup_reply(transcript, rng):
+    return rng.choice(["yes", "no", "maybe"])
+"""
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_signal_during_the_initial_evaluation_trains_no_step(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    marker, task, run_dir = tmp_path / "send-sigterm", tmp_path / "signalled.py", tmp_path / "run"
+    marker.touch()
+    task.write_text(TASK_SIGNALLED_IN_EVALUATION.format(marker=str(marker)))
+    command = [
+        "run", str(task), f"model.path={tiny_model_dir}", f"mode={mode}", "grpo.steps=2",
+        "grpo.prompts_per_step=2", "grpo.group_size=2", "warmup.sft_steps=2", "warmup.sft_batch_size=2",
+        "eval.num_episodes=4", "progress=false", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    assert main(command) == 128 + signal.SIGTERM
+    out, err = capsys.readouterr()
+    assert not marker.exists()  # the signal was sent, during the evaluation
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stopped"] == "SIGTERM" and summary["steps"] == 0
+    assert summary["return_initial"] is not None and summary["return_final"] is None
+    assert f"stopped before training step 0, none trained; the initial evaluation is kept in {run_dir}" in err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["warmup", "warmup", "eval", "summary"]
+    assert checkpoint_step(run_dir / "checkpoint") == 0 and not (run_dir / "checkpoint").exists()
+
+    # The same command trains: the warm-up loaded and the initial evaluation taken from metrics.jsonl, each
+    # done and logged once over the two commands.
+    assert main(command) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert resumed["steps"] == 2 and resumed["stopped"] is None
+    assert resumed["return_initial"] == summary["return_initial"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    phases = [(r["phase"], r["step"]) for r in rows if r["phase"] != "summary"]
+    assert phases == [("warmup", 0), ("warmup", 1), ("eval", 0), ("train", 0), ("train", 1), ("eval", 2)]

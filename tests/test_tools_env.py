@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LimitsSeen
 from inflight.envs import TextAction, make_env
 from inflight.envs.sandbox import SandboxLimits, VerifierPool, bwrap_problem
 from inflight.envs.tools import TASK_KINDS, ToolsEnv, ToolsObservation, normalize_answer, parse_reply
@@ -201,3 +202,17 @@ def test_tool_output_is_masked_out_of_the_loss(pool: VerifierPool, tiny_model_di
         [t for t, m in zip(rollout.token_ids, rollout.loss_mask, strict=True) if not m]
     )
     assert "marker-from-the-tool" in masked_text and "<output>" in masked_text
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_no_tool_call_runs_past_the_time_its_episode_has_left(asynchronous: bool) -> None:
+    pool = LimitsSeen()
+    env = ToolsEnv(pool=pool, limits=SandboxLimits(wall_s=3, cpu_s=3), max_tool_calls=3)
+    env.reset(seed=1)
+    call = TextAction(text="<python>print(1)</python>")
+    for timeout_s in (None, 0.5, 60.0):  # none given, less than wall_s, more
+        if asynchronous:
+            asyncio.run(env.step_async(call, timeout_s=timeout_s))
+        else:
+            env.step(call, timeout_s=timeout_s)
+    assert [limits.wall_s if limits else None for limits in pool.limits] == [3.0, 0.5, 3.0]

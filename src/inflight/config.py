@@ -243,6 +243,16 @@ class RunConfig(_Config):
                 f"sampling.temperature={self.sampling.temperature} but trainer.temperature="
                 f"{self.trainer.temperature}: set both to one value so trainer and sampler logprobs agree"
             )
+        # Prompt and reply share the engine's sequence and a prompt has at least one token, so a reply limit
+        # this high is never reached: a mistake, not a setting. Only that: a long prompt that leaves a reply
+        # less room is the engine's to cut (finish "length").
+        reply, sequence = self.sampling.max_tokens_per_turn, self.engine.max_seq_len_tokens
+        if reply >= sequence:
+            raise ValueError(
+                f"sampling.max_tokens_per_turn={reply} leaves no room for a prompt in "
+                f"engine.max_seq_len_tokens={sequence} (prompt and reply together): set "
+                f"sampling.max_tokens_per_turn below {sequence}, or engine.max_seq_len_tokens above {reply}"
+            )
         if self.engine.backend == "vllm" and self.mode != "async":
             raise ValueError(
                 "engine.backend=vllm serves the asynchronous pipeline from vLLM processes this run starts: "

@@ -6,6 +6,8 @@ HTTP (an adapter serves these models over OpenEnv's wire format) nor of tokens o
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -93,6 +95,31 @@ class Environment(ABC, Generic[ActT, ObsT, StateT]):
 
     def close(self) -> None:
         """Release resources (sandboxes, connections); nothing by default."""
+
+
+def step_timeout(
+    env: Environment[Any, Any, Any], timeout_s: float | None, method: str = "step"
+) -> dict[str, float]:
+    """The keyword arguments that pass `timeout_s` to `env.<method>` (`step` or `step_async`): none without a
+    bound, or for an environment written against the older documented `step(self, action)`, which keeps
+    working (unbounded) rather than failing every step with a TypeError."""
+    function = getattr(type(env), method, None)
+    if timeout_s is None or function is None or not _takes_timeout(function):
+        return {}
+    return {"timeout_s": timeout_s}
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_timeout(function: Callable[..., object]) -> bool:
+    """Whether `function` accepts `timeout_s` (by name or through **kwargs). Read once per environment class:
+    an episode steps many times, and a run builds an environment per episode."""
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it the older way
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == "timeout_s" and p.kind is not p.POSITIONAL_ONLY) for p in params
+    )
 
 
 EnvFactory = Callable[..., Environment[Any, Any, Any]]

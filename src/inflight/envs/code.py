@@ -23,7 +23,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inflight.envs.base import Environment, State, TextAction, TextObservation
-from inflight.envs.sandbox import SandboxLimits, SandboxResult, Verifier, default_pool, merge_limits
+from inflight.envs.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    Verifier,
+    default_pool,
+    merge_limits,
+    within_time,
+)
 from inflight.errors import UserError
 
 PROBLEMS_PATH = Path(__file__).parent / "data" / "code_problems.jsonl"
@@ -180,7 +187,8 @@ class CodeEnv(Environment[TextAction, CodeObservation, CodeState]):
     """One problem per episode and one reply; reward = fraction of the problem's tests passed.
 
     A reply without code or with a syntax error earns 0 and runs nothing. `step_async` grades without
-    blocking an event loop; `step` blocks its thread. The verifier pool is shared across instances.
+    blocking an event loop; `step` blocks its thread. A step's `timeout_s` (the seconds its episode has
+    left) caps every test's wall_s. The verifier pool is shared across instances.
     `split` picks the problems: the set's train or held-out test problems (every fifth), or all of them.
     """
 
@@ -246,7 +254,8 @@ class CodeEnv(Environment[TextAction, CodeObservation, CodeState]):
         if error is not None:
             return self._finish(problem, [], error)
         programs = [harness_program(code, problem.entry_point, t) for t in problem.tests]
-        return self._finish(problem, self.pool.run_many(programs, limits=self.limits), None)
+        results = self.pool.run_many(programs, limits=within_time(self.limits, timeout_s))
+        return self._finish(problem, results, None)
 
     async def step_async(
         self, action: TextAction, timeout_s: float | None = None, **kwargs: Any
@@ -254,9 +263,9 @@ class CodeEnv(Environment[TextAction, CodeObservation, CodeState]):
         problem, code, error = self._prepare(action)
         if error is not None:
             return self._finish(problem, [], error)
+        limits = within_time(self.limits, timeout_s)
         runs = [
-            self.pool.run(harness_program(code, problem.entry_point, t), limits=self.limits)
-            for t in problem.tests
+            self.pool.run(harness_program(code, problem.entry_point, t), limits=limits) for t in problem.tests
         ]
         return self._finish(problem, list(await asyncio.gather(*runs)), None)
 

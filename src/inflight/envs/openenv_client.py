@@ -170,10 +170,14 @@ class OpenEnvClientEnv(Environment[Action, RemoteObservation, State]):
         )
 
     def _request(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """One message and its answer, waiting at most `timeout_s` (default: message_timeout_s)."""
+        """One message and its answer, waiting at most message_timeout_s, or `timeout_s` (a step's: the
+        seconds its episode has left) when that is shorter. OpenEnv's /ws step carries no timeout, so the
+        server's env cannot be told: the wait is what this side bounds."""
         from websockets.exceptions import ConnectionClosed
 
-        wait_s = timeout_s or self.config.message_timeout_s
+        wait_s, bound = self.config.message_timeout_s, "message_timeout_s"
+        if timeout_s is not None and timeout_s < wait_s:
+            wait_s, bound = timeout_s, "the step's timeout_s"
         ws = self._connection()
         try:
             ws.send(json.dumps(message))
@@ -182,7 +186,7 @@ class OpenEnvClientEnv(Environment[Action, RemoteObservation, State]):
             # A late answer would be read as the answer to the next message: this session is unusable.
             self._drop()
             raise OpenEnvError(
-                f"no answer from {self.ws_url} to {message['type']} within {wait_s} s (message_timeout_s)"
+                f"no answer from {self.ws_url} to {message['type']} within {wait_s:g} s ({bound})"
             ) from e
         except ConnectionClosed as e:
             # A server that refuses a session (CAPACITY_REACHED) says why and closes at once, maybe

@@ -36,7 +36,7 @@ from pydantic_core import PydanticCustomError
 
 import inflight
 from inflight.envs import ENVS, make_env
-from inflight.envs.base import Action, Environment, Observation, State
+from inflight.envs.base import Action, Environment, Observation, State, step_timeout
 from inflight.errors import UserError
 
 if TYPE_CHECKING:
@@ -216,7 +216,8 @@ def _adapter_class() -> type:
                     "protocol (every request gets a fresh environment); play episodes over the /ws session"
                 )
             try:
-                return self.env.step(action, timeout_s=timeout_s, **kwargs)
+                # An env written against the older `step(self, action)` is served too, unbounded.
+                return self.env.step(action, **step_timeout(self.env, timeout_s), **kwargs)
             except UserError:
                 raise
             except Exception as e:

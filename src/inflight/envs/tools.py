@@ -19,7 +19,14 @@ from pydantic import BaseModel, ConfigDict
 
 from inflight.envs.base import Environment, State, TextAction, TextObservation
 from inflight.envs.code import extract_code
-from inflight.envs.sandbox import SandboxLimits, SandboxResult, Verifier, default_pool, merge_limits
+from inflight.envs.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    Verifier,
+    default_pool,
+    merge_limits,
+    within_time,
+)
 from inflight.errors import UserError
 
 # Per execution (one unit test, one tool call): small programs that finish in well under a second.
@@ -170,7 +177,8 @@ class ToolsState(State):
 class ToolsEnv(Environment[TextAction, ToolsObservation, ToolsState]):
     """A task per episode; up to `max_tool_calls` Python runs, then an answer: reward 1 if it is exactly
     right, else 0. A reply with neither tag, or a tool call past the limit, ends the episode with
-    `format_penalty`. `step_async` runs tools without blocking an event loop."""
+    `format_penalty`. `step_async` runs tools without blocking an event loop; a step's `timeout_s` (the
+    seconds its episode has left) caps the tool call's wall_s."""
 
     def __init__(
         self,
@@ -222,7 +230,8 @@ class ToolsEnv(Environment[TextAction, ToolsObservation, ToolsState]):
     def step(self, action: TextAction, timeout_s: float | None = None, **kwargs: Any) -> ToolsObservation:
         parsed = self._parse(action)
         if parsed is not None and parsed[0] == "python" and self._calls_left() > 0:
-            return self._tool_turn(self.pool.run_many([parsed[1]], limits=self.limits)[0])
+            limits = within_time(self.limits, timeout_s)
+            return self._tool_turn(self.pool.run_many([parsed[1]], limits=limits)[0])
         return self._final_turn(parsed)
 
     async def step_async(
@@ -230,7 +239,8 @@ class ToolsEnv(Environment[TextAction, ToolsObservation, ToolsState]):
     ) -> ToolsObservation:
         parsed = self._parse(action)
         if parsed is not None and parsed[0] == "python" and self._calls_left() > 0:
-            return self._tool_turn(await self.pool.run(parsed[1], limits=self.limits))
+            limits = within_time(self.limits, timeout_s)
+            return self._tool_turn(await self.pool.run(parsed[1], limits=limits))
         return self._final_turn(parsed)
 
     @property

@@ -7,7 +7,8 @@ and the run goes on without that rollout. Once more than `rollout.max_failed_fra
 `check()` stops the run with a message naming the most common error, counted with ids (request ids,
 addresses) set aside: each message that carries one is otherwise unique. Knows nothing of engines, buffers
 or steps; the loops and the evaluation each hold one. A guard in another process (a rollout worker's)
-reports its counts (`take_counts`) to the run's guard (`absorb`), which judges them with its own.
+reports its counts (`take_counts`) to the run's guard (`absorb`), which judges them with its own. The
+rollout's context carries its deadline (`RolloutContext.deadline`): what it waits for can be bounded by it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import math
 import numbers
 import re
 import threading
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from inflight.config import RolloutConfig
@@ -74,6 +76,7 @@ class RolloutGuard:
         with self._lock:
             self.attempted += 1
         timed_out = False
+        ctx = replace(ctx, deadline=time.monotonic() + self.config.timeout_s)
         try:
             async with asyncio.timeout(self.config.timeout_s) as deadline:
                 result = await generate_rollout(ctx, problem)

@@ -48,7 +48,7 @@ from inflight.orchestrator.task import Problems, Task, load_split
 from inflight.orchestrator.task_warmup import task_warmup
 from inflight.orchestrator.warmup import WARMUP_DIR, format_warmup, warmup_steps_done
 from inflight.rollouts.chat import ChatFormat
-from inflight.trainer.checkpoint import checkpoint_step
+from inflight.trainer.checkpoint import check_resumable, checkpoint_step
 from inflight.trainer.process import StepTrainer, TrainerProcess
 
 if TYPE_CHECKING:
@@ -92,19 +92,22 @@ def run(
     playing the pipeline's groups (there: rollout workers in actors of their own; by default the
     pipeline's event loop). `stop`, once set (a signal: `stopping.py`), ends the warm-up or the training
     after the step in flight; a stopped training then checkpoints, evaluates and summarizes as usual, a
-    stopped warm-up saves its state (RUN_DIR/warmup) and summarizes, `stopped` naming the signal.
+    stopped warm-up saves its state (RUN_DIR/warmup) and summarizes, `stopped` naming the signal. Set
+    during the initial evaluation, it lets the evaluation finish (logged) and trains no step.
 
     A run directory with a checkpoint is resumed: the warm-up is loaded from RUN_DIR/warmup rather than
     trained again, and the initial evaluation is the one metrics.jsonl holds (the checkpoint's weights are
-    no longer the initial policy). A run directory of another task, or a checkpoint past cfg.grpo.steps,
-    is refused before anything is written."""
+    no longer the initial policy; a run stopped before its first step logged it too). A run directory of
+    another task, a checkpoint past cfg.grpo.steps, or a checkpoint or saved warm-up that the model cannot
+    continue (another model's, or a full model under trainer.lora_rank > 0 and the reverse) is refused
+    before anything is written into it."""
     t0 = time.perf_counter()
     train_problems = load_split(task, "train")
     test_problems = load_split(task, "test") if cfg.eval.num_episodes else []
     check_task(cfg, task)
     path = run_dir_path(cfg)  # once: without cfg.run_dir it names the current second
-    # Before any weights load and before config.json is rewritten: a damaged checkpoint, another task's
-    # run directory or a finished run shows now, in one line.
+    # Before any weights load and before anything is written into the run directory: a damaged checkpoint,
+    # another task's run directory or a finished run shows now, in one line.
     first_step = check_resume(cfg, path)
     if first_step == cfg.grpo.steps and (finished := _finished_summary(path, first_step)) is not None:
         _note(
@@ -112,26 +115,35 @@ def run(
             "nothing to do; set grpo.steps higher to train further"
         )
         return finished
-    if first_step:
-        _note(f"resuming from the checkpoint at step {first_step} ({path / 'checkpoint'})")
     with _run_directory(cfg, path) as run_dir:
+        model, tokenizer = load_policy(cfg)
+        # What only the model can tell, still before anything is written: a refused resume leaves the run
+        # directory as it was. The warm-up's weights are the whole model's, whatever trainer.lora_rank.
+        check_resumable(run_dir / "checkpoint", model, cfg.trainer.lora_rank)
+        check_resumable(run_dir / WARMUP_DIR, model, lora_rank=0)
+        if first_step:
+            _note(f"resuming from the checkpoint at step {first_step} ({path / 'checkpoint'})")
+        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
         # Closed however the run ends: a W&B run is finished, TensorBoard flushed.
         with contextlib.ExitStack() as stack:
             logger = stack.enter_context(
                 contextlib.closing(MetricsLogger(run_dir, cfg.metrics, cfg.model_dump()))
             )
-            model, tokenizer = load_policy(cfg)
-            chat = ChatFormat.for_model(tokenizer, model)
-            _warm_up(cfg, task, model, tokenizer, chat, train_problems, run_dir, first_step, logger, stop)
-            if stop is not None and stop.reason is not None:
-                # A signal during the loading or the warm-up (saved: `_warm_up`): no step trained, none
-                # evaluated; the summary says so, and the same command goes on from here.
-                initial = _logged_initial(run_dir) if first_step else {}
+
+            def stopped_before_training(reason: str, initial: dict[str, float]) -> dict[str, Any]:
+                """A signal came before this command's first step: no step trained, so no checkpoint to
+                write; the summary says so, and the same command goes on from here."""
                 summary = build_summary(
-                    cfg, task, run_dir, t0, first_step, [], len(test_problems), initial, {}, stop.reason
+                    cfg, task, run_dir, t0, first_step, [], len(test_problems), initial, {}, reason
                 )
                 logger.log(first_step, summary, phase="summary")
                 return _finish(run_dir, summary)
+
+            chat = ChatFormat.for_model(tokenizer, model)
+            _warm_up(cfg, task, model, tokenizer, chat, train_problems, run_dir, first_step, logger, stop)
+            if stop is not None and stop.reason is not None:
+                # During the loading or the warm-up (saved: `_warm_up`): nothing evaluated either.
+                return stopped_before_training(stop.reason, _logged_initial(run_dir))
             # The engine first: it copies the weights, and a LoRA trainer then wraps the model's layers.
             engine = build_engine(cfg, model, tokenizer)
             # The pipeline's may be a process of its own; a launcher's, ranks elsewhere.
@@ -146,12 +158,22 @@ def run(
             def during(driver: Driver) -> dict[str, float]:
                 return _test_metrics(test(driver, cfg.eval.num_episodes_during))
 
-            if first_step:  # the policy before training is gone: its evaluation is the one logged then
-                initial = _logged_initial(run_dir)
-            else:
+            # The initial evaluation once per run: an earlier command's, when one logged it (a resume, whose
+            # policy before training is gone; a run stopped before its first step), else made now.
+            initial = _logged_initial(run_dir)
+            if not initial and not first_step:
                 initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
                 if initial:
                     logger.log(0, _test_metrics(initial), phase="eval")
+            if stop is not None and stop.reason is not None and first_step < cfg.grpo.steps:
+                # During the initial evaluation (which finishes: it is the run's only one of its policy) or
+                # the engine's and trainer's start. Here, not in the loops: they look only after a step.
+                kept = f"; the initial evaluation is kept in {run_dir / METRICS_FILE}" if initial else ""
+                _note(
+                    f"stopped before training step {first_step}, none trained{kept}; the same command trains "
+                    "from there"
+                )
+                return stopped_before_training(stop.reason, initial)
             evaluate_during = during if test_problems else None
             history = train(parts, cfg, logger, run_dir, evaluate_during, launcher_metrics, players)
             last_step = first_step + len(history)

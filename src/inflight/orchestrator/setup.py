@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -50,10 +49,9 @@ def run_dir_path(cfg: RunConfig) -> Path:
 
 
 def make_run_dir(cfg: RunConfig, path: str | Path | None = None) -> Path:
-    """`path` (default: `run_dir_path(cfg)`) as a writable directory holding config.json."""
-    run_dir = ensure_dir(path or run_dir_path(cfg), "--run-dir")
-    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
-    return run_dir
+    """`path` (default: `run_dir_path(cfg)`) as a writable directory, created if missing; nothing is written
+    into it (`run` records config.json once a resume's checks passed)."""
+    return ensure_dir(path or run_dir_path(cfg), "--run-dir")
 
 
 def load_policy(cfg: RunConfig) -> tuple[torch.nn.Module, object]:

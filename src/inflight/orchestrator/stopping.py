@@ -2,7 +2,8 @@
 
 The first signal sets a `StopRequest`; the training loops (`sync_loop.py`, `pipeline.py`) finish the step in
 flight, and the run then writes its checkpoint, evaluates and writes its summary as a finished run does,
-with `stopped` naming the signal, so the same command resumes it (`run_dir=...`). A second signal is the
+with `stopped` naming the signal, so the same command resumes it (`run_dir=...`); one that comes before the
+first step (during the initial evaluation) trains none (`run.py`). A second signal is the
 old immediate exit (KeyboardInterrupt): nothing more is written, and the last periodic checkpoint is what a
 resume finds. Under `launcher=ray` the launcher forwards the request to the run's actor.
 """
@@ -53,8 +54,9 @@ def stop_on_signals(stop: StopRequest) -> Iterator[StopRequest]:
             raise KeyboardInterrupt
         stop.set(name)
         print(
-            f"inflight: {name}: stopping after the step in flight (of the warm-up or the training), then "
-            "saving what the same command continues from, and the summary; send it again to quit at once",
+            f"inflight: {name}: stopping after the step in flight (of the warm-up or the training; "
+            "before the first step, once the initial evaluation ends), then saving what the same command "
+            "continues from, and the summary; send it again to quit at once",
             file=sys.stderr,
             flush=True,
         )

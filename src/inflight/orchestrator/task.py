@@ -244,6 +244,7 @@ class _EnvRollouts:
             sampling_seed=ctx.sampling_seed,
             sample_index=ctx.sample_index,
             close=True,
+            deadline=ctx.deadline,
         )
 
 

@@ -48,6 +48,9 @@ class RolloutContext:
     sample_index: int = 0
     sampling_seed: int | None = None  # None: the engine's own randomness
     config: Any = None  # the RunConfig, for tasks that read their own settings
+    # When rollout.timeout_s ends this rollout, on time.monotonic()'s clock (set by the guard that bounds it;
+    # None: no bound): a task may bound its own waits by it, as an Env's step gets the seconds left.
+    deadline: float | None = None
     _turn: int = field(default=0, repr=False)
 
     @property

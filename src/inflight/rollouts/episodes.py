@@ -6,7 +6,8 @@ the same Rollouts for supervised warm-ups.
 
 `play_episode` (the pipeline's, one episode per asyncio task) runs an environment's synchronous `reset` and
 `step` in a worker thread (`EnvCalls`), unless the environment declares them cheap (`blocking = False`): a
-step that blocks then stalls only its own episode, and `rollout.timeout_s` can end it.
+step that blocks then stalls only its own episode, and `rollout.timeout_s` can end it. Each step is told the
+seconds of `rollout.timeout_s` left (OpenEnv's `timeout_s`), when its signature takes them.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from inflight.envs.base import Environment, TextAction
+from inflight.envs.base import Environment, TextAction, step_timeout
 from inflight.inference.engine import Engine
 from inflight.rollouts.chat import ChatFormat
 from inflight.types import Completion, FinishReason, Rollout, SampleRequest, SamplingParams
@@ -283,12 +285,15 @@ async def play_episode(
     sampling_seed: int | None = None,
     sample_index: int = 0,
     close: bool = False,
+    deadline: float | None = None,
 ) -> Rollout:
     """One episode against an asynchronous policy (the pipeline's rollout workers).
 
     Same token layout and the same per-turn seeds as `run_episodes`: with equal weights both give
     the same tokens. `close`: close `env` when the episode ends, however it ends (after a step still
-    running in its thread, when the episode was cancelled or timed out).
+    running in its thread, when the episode was cancelled or timed out). `deadline` (time.monotonic(): the
+    rollout's, `RolloutContext.deadline`): each step gets the seconds left as OpenEnv's `timeout_s`, so an
+    environment that can bound its work (a sandbox, a remote call) ends it in time.
     """
     params = _with_end_of_turn(params, chat)
     calls = EnvCalls(env)
@@ -302,14 +307,22 @@ async def play_episode(
             # the loop; a synchronous step runs in a worker thread unless the env says it is cheap.
             step_async = getattr(env, "step_async", None)
             if step_async is not None:
-                obs = await step_async(action)
+                obs = await step_async(action, **step_timeout(env, _time_left_s(deadline), "step_async"))
             else:
-                obs = await calls(functools.partial(env.step, action))
+                step = functools.partial(env.step, action, **step_timeout(env, _time_left_s(deadline)))
+                obs = await calls(step)
             _observe(ep, obs, chat, max_turns)
         return ep.to_rollout()
     finally:
         if close:
             calls.close()
+
+
+def _time_left_s(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (time.monotonic()); None without one. At least 1 ms: once it passed, the
+    guard cancels the episode at its next await, and the bounds a step passes on must be > 0 (OpenEnv's
+    `timeout_s`, a sandbox's `wall_s`)."""
+    return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
 
 
 def run_scripted_episode(

@@ -28,6 +28,8 @@ from inflight.trainer.adapter_checkpoint import ADAPTER_FILE
 from inflight.trainer.policy import OPTIMIZER, WEIGHTS
 
 if TYPE_CHECKING:  # trainer.py imports this module
+    import torch
+
     from inflight.trainer.trainer import Trainer
 
 META = "trainer_state.json"
@@ -99,6 +101,24 @@ def resume_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
     return load_checkpoint(trainer, found) if found is not None else {}
 
 
+def check_resumable(path: str | Path, model: torch.nn.Module, lora_rank: int) -> None:
+    """UserError when the newest checkpoint at `path` cannot continue training `model` with
+    trainer.lora_rank=`lora_rank`: it holds the other kind of weights (a LoRA adapter, a full model), or a
+    full model of other tensors (names or shapes). Nothing without a checkpoint. Reads file names and the
+    safetensors header only, so a run asks before it writes into its run directory; `load_checkpoint` asks
+    the same again."""
+    found = find_checkpoint(path)
+    if found is None:
+        return
+    _check_kind(found, lora_rank)
+    if lora_rank:
+        return
+    try:
+        _check_same_model(model, found)
+    except (SafetensorError, OSError) as e:  # a header damaged since the save
+        raise _unreadable(found, e) from None
+
+
 def checkpoint_step(path: str | Path) -> int:
     """The step a run resuming from `path` starts at: 0 without a checkpoint."""
     found = find_checkpoint(path)
@@ -157,38 +177,47 @@ def save_checkpoint(
 def load_checkpoint(trainer: Trainer, path: str | Path, load_optimizer: bool = True) -> dict:
     """Restore weights (+ optimizer) and version from `path`. Returns the saved metadata."""
     path = Path(path)
-    lora = trainer.config.lora_rank > 0
-    expected, other = (ADAPTER_FILE, WEIGHTS) if lora else (WEIGHTS, ADAPTER_FILE)
-    if not (path / expected).is_file():
-        if (path / other).is_file():
-            kind = "a full model" if lora else "a LoRA adapter"
-            raise UserError(
-                f"checkpoint {path} holds {kind}, but trainer.lora_rank={trainer.config.lora_rank}: resume "
-                "with the run's own trainer settings, or move the checkpoint away to start from step 0"
-            )
-        raise UserError(f"no checkpoint at {path} (expected {expected} there)")
+    lora_rank = trainer.config.lora_rank
+    _check_kind(path, lora_rank)
     try:
-        if not lora:  # before any tensor loads: one line, not every key of two models
-            _check_same_model(trainer, path)
+        model = getattr(trainer.policy, "model", None)
+        if not lora_rank and model is not None:  # before any tensor loads: one line, not every key
+            _check_same_model(model, path)
         meta = json.loads((path / META).read_text())
         trainer.policy.load(path, load_optimizer)
     # What a damaged file raises: safetensors' header check, torch.load's zip reader and unpickler, json.
     except (SafetensorError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"checkpoint {path} cannot be read ({reason}): move it away to start this run from step 0"
-        ) from None
+        raise _unreadable(path, e) from None
     trainer.version = int(meta["version"])
     meta.pop(_FILES_KEY, None)
     return meta
 
 
-def _check_same_model(trainer: Trainer, path: Path) -> None:
-    """UserError when the full-model checkpoint at `path` holds other tensors (names or shapes) than the
-    trainer's model: it was trained from another model. Reads only the safetensors header."""
-    model = getattr(trainer.policy, "model", None)
-    if model is None:
+def _unreadable(path: Path, error: BaseException) -> UserError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UserError(
+        f"checkpoint {path} cannot be read ({reason}): move it away to start this run from step 0"
+    )
+
+
+def _check_kind(path: Path, lora_rank: int) -> None:
+    """UserError unless `path` holds the policy's files of a run with trainer.lora_rank=`lora_rank`."""
+    lora = lora_rank > 0
+    expected, other = (ADAPTER_FILE, WEIGHTS) if lora else (WEIGHTS, ADAPTER_FILE)
+    if (path / expected).is_file():
         return
+    if (path / other).is_file():
+        kind = "a full model" if lora else "a LoRA adapter"
+        raise UserError(
+            f"checkpoint {path} holds {kind}, but trainer.lora_rank={lora_rank}: resume with the run's own "
+            "trainer settings, or move the checkpoint away to start from step 0"
+        )
+    raise UserError(f"no checkpoint at {path} (expected {expected} there)")
+
+
+def _check_same_model(model: torch.nn.Module, path: Path) -> None:
+    """UserError when the full-model checkpoint at `path` holds other tensors (names or shapes) than
+    `model`: it was trained from another model. Reads only the safetensors header."""
     ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     with safe_open(str(path / WEIGHTS), "pt") as f:
         theirs = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118

@@ -18,6 +18,7 @@ from inflight.envs.sandbox.limits import (
     MemoryBoundChoice,
     SandboxLimits,
     merge_limits,
+    within_time,
 )
 from inflight.envs.sandbox.memory_bound import detect_memory_bound, resolve_memory_bound
 from inflight.envs.sandbox.pool import (
@@ -52,4 +53,5 @@ __all__ = [
     "resolve_memory_bound",
     "run_python",
     "set_default_pool",
+    "within_time",
 ]

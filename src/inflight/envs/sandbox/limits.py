@@ -42,3 +42,11 @@ def merge_limits(base: SandboxLimits, overrides: SandboxLimits | Mapping[str, An
     if overrides is None or isinstance(overrides, SandboxLimits):
         return overrides or base
     return SandboxLimits.model_validate(base.model_dump() | dict(overrides))
+
+
+def within_time(limits: SandboxLimits, timeout_s: float | None) -> SandboxLimits:
+    """`limits` with `wall_s` cut to `timeout_s` (> 0) when that is shorter: a step told how long its episode
+    has left (OpenEnv's `step(action, timeout_s)`) runs no execution past it. As they are without one."""
+    if timeout_s is None or timeout_s >= limits.wall_s:
+        return limits
+    return limits.model_copy(update={"wall_s": timeout_s})
