@@ -2,7 +2,10 @@
 exit code 2, before any weight is read.
 
 Reference: the pipeline QA pass's bad-input defects (values accepted until a rollout crashed, meaningless
-values accepted silently, typos without a suggestion, causes misnamed, settings after options refused).
+values accepted silently, typos without a suggestion, causes misnamed, settings after options refused), and
+the bring-your-own-task QA pass's settings ignored in silence (pipeline.* under mode=sync, ray.* under
+launcher=local, env.kwargs for a rollout function, an env.kwargs.split the run overwrites, a sequence longer
+than the model's context).
 """
 
 from __future__ import annotations
@@ -10,14 +13,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import BaseModel
 
 from conftest import one_line_error
 from inflight.cli import main
-from inflight.config import RunConfig, apply_overrides
+from inflight.config import RunConfig, apply_overrides, check_overrides_apply
 from inflight.errors import UserError
+from inflight.preflight import check_context_length, context_tokens
 
 
 @pytest.fixture
@@ -259,3 +264,147 @@ def test_sequence_length_error_names_the_users_keys(tiny_model_dir: Path) -> Non
     message = str(info.value)
     assert "engine.max_seq_len_tokens=N" in message and "--max-seq-len-tokens N" in message
     assert "BuiltinEngineConfig" not in message
+
+
+# -- settings the run would ignore: refused when the user sets them, never when a preset does -----------
+
+ENV_TASK = """
+from typing import Any
+from inflight.envs import Environment, State, TextAction, TextObservation
+
+class Held(Environment[TextAction, TextObservation, State]):
+    def __init__(self, split: str = "train") -> None:
+        self.split = split
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kw: Any) -> TextObservation:
+        return TextObservation(prompt="say something")
+
+    def step(self, action: TextAction, timeout_s: float | None = None, **kw: Any) -> TextObservation:
+        return TextObservation(prompt="", done=True, reward=1.0)
+
+    @property
+    def state(self) -> State:
+        return State()
+"""
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["env.kwargs.foo=1"],
+            "env.kwargs.foo=1: single is written with generate_rollout and builds no environment, so nothing "
+            "reads env.kwargs: drop the setting",
+        ),
+        (
+            ["mode=sync", "pipeline.max_staleness_steps=3"],
+            "pipeline.max_staleness_steps=3: pipeline.* configures the asynchronous pipeline, and mode=sync "
+            "runs the on-policy loop, which reads none of it: drop the setting, or set mode=async",
+        ),
+        (
+            ["ray.num_engine_replicas=2"],
+            "ray.num_engine_replicas=2: ray.* configures launcher=ray, and this run's launcher is local, "
+            "which reads none of it: drop the setting, or set launcher=ray",
+        ),
+    ],
+)
+def test_a_setting_the_run_would_ignore_is_refused(
+    capsys, task: Path, tiny_model_dir: Path, tmp_path: Path, no_weights, overrides: list[str], expected: str
+) -> None:
+    line = one_line_error(
+        capsys,
+        "run",
+        str(task),
+        f"model.path={tiny_model_dir}",
+        *overrides,
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
+    assert line == f"inflight: error: {expected}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_settings_a_preset_gives_for_another_mode_are_not_refused() -> None:
+    preset = apply_overrides(
+        RunConfig(),
+        ["pipeline.max_staleness_steps=2", "ray.num_engine_replicas=2", "env.kwargs.level=1"],
+    )
+    cfg = apply_overrides(preset, ["mode=sync"])
+    check_overrides_apply(cfg, ["mode=sync"], "single", plays_env=False)
+    # Where they apply, the user's own are fine too; an empty env.kwargs sets nothing to ignore.
+    check_overrides_apply(preset, ["pipeline.max_staleness_steps=3"], "single", plays_env=False)
+    check_overrides_apply(preset, ["env.kwargs.level=2"], "arithmetic", plays_env=True)
+    check_overrides_apply(RunConfig(), ["env.kwargs={}"], "single", plays_env=False)
+    ray = apply_overrides(RunConfig(), ["launcher=ray", "ray.num_engine_replicas=2"])
+    check_overrides_apply(ray, ["launcher=ray", "ray.num_engine_replicas=2"], "single", plays_env=False)
+    with pytest.raises(UserError, match=r"^pipeline=\{\}: pipeline\.\* configures"):  # a whole section too
+        check_overrides_apply(cfg, ["pipeline={}"], "single", plays_env=False)
+
+
+def test_an_env_kwargs_split_is_refused_before_the_model_loads(
+    capsys, tiny_model_dir: Path, tmp_path: Path, no_weights
+) -> None:
+    path = tmp_path / "held.py"
+    path.write_text(ENV_TASK)
+    line = one_line_error(
+        capsys, "run", str(path), f"model.path={tiny_model_dir}", "env.kwargs.split=test",
+        "--run-dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert "env.kwargs.split='test': Held gets its split from the run" in line
+    assert line.endswith("which would overwrite this one: drop env.kwargs.split")
+    assert not (tmp_path / "run").exists()
+
+
+# -- the engine's sequence against the model's context ---------------------------------------------------
+
+
+def test_a_sequence_longer_than_the_models_context_is_refused_before_the_weights_load(
+    capsys, task: Path, tiny_model_dir: Path, tmp_path: Path, no_weights
+) -> None:
+    """The tiny model addresses 2048 positions; 3010-token prompts trained with only transformers' warning."""
+    line = one_line_error(
+        capsys, "run", str(task), f"model.path={tiny_model_dir}", "engine.max_seq_len_tokens=8192",
+        "--run-dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert line == (
+        "inflight: error: engine.max_seq_len_tokens=8192 is more than the 2048 positions "
+        f"{str(tiny_model_dir)!r} addresses (max_position_embeddings=2048 in its config): set "
+        "engine.max_seq_len_tokens=2048 or less"
+    )
+    assert not (tmp_path / "run").exists()
+    # The tiny model built on first use (no model.path) is known before it is built.
+    with pytest.raises(
+        UserError, match=r"^engine.max_seq_len_tokens=4096 is more than the 2048 positions the tiny"
+    ):
+        check_context_length(apply_overrides(RunConfig(), ["engine.max_seq_len_tokens=4096"]))
+    check_context_length(apply_overrides(RunConfig(), ["engine.max_seq_len_tokens=2048"]))
+
+
+def test_a_rope_scaling_factor_extends_the_context() -> None:
+    import transformers
+
+    assert context_tokens(transformers.Qwen2Config(max_position_embeddings=4096)) == (
+        4096,
+        "max_position_embeddings=4096",
+    )
+    linear = transformers.LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0})
+    assert context_tokens(linear) == (4096, "max_position_embeddings=2048, linear rope scaling x2 of 2048")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert context_tokens(transformers.Qwen2Config(max_position_embeddings=32768, rope_parameters=yarn)) == (
+        131072,
+        "max_position_embeddings=32768, yarn rope scaling x4 of 32768",
+    )
+    # Llama 3.1's max_position_embeddings already counts its scaling (8 x 8192 is less).
+    llama3 = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }  # fmt: skip
+    config = transformers.LlamaConfig(max_position_embeddings=131072, rope_parameters=llama3)
+    assert context_tokens(config) == (131072, "max_position_embeddings=131072")
+    gpt2 = transformers.GPT2Config(n_positions=256)  # named otherwise: transformers maps the name
+    assert context_tokens(gpt2) == (256, "max_position_embeddings=256")
+    # A scaling without one factor (longrope's lists) or a rope per layer type: not judged.
+    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0]}
+    assert context_tokens(SimpleNamespace(max_position_embeddings=4096, rope_parameters=longrope)) is None
+    per_layer = {"full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {}}
+    assert context_tokens(SimpleNamespace(max_position_embeddings=4096, rope_parameters=per_layer)) is None

@@ -1,13 +1,18 @@
-"""Evaluation's greedy deduplication (one generation per distinct greedy request, shared by every caller)
-and its bound on episodes in flight.
+"""Evaluation's greedy deduplication (one generation per distinct greedy request, shared by every caller),
+its bound on episodes in flight, the copy of its problem each rollout gets, how a failure names its pass,
+and its progress.
 
 Reference: a counting fake `generate` and a fake task that counts its own concurrent rollouts (pure logic:
-which requests reach the engine, what each caller gets, how many episodes play at once).
+which requests reach the engine, what each caller gets, how many episodes play at once);
+docs/bring-your-own-task.md ("Each rollout gets its own deep copy of the problem dict", the progress of each
+phase, the failed rollout's log line).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
 import pytest
 
@@ -111,3 +116,74 @@ def test_an_evaluation_plays_at_most_the_bound_of_episodes_at_once() -> None:
     out = evaluate(task, problems, cfg, chat=None, driver=Driver(), num_problems=40)  # type: ignore[arg-type]
     assert most == 7
     assert out["return_greedy"] == out["return"] == sum(range(40)) / 40
+
+
+class FakeDriver:
+    def run(self, play):  # type: ignore[no-untyped-def]
+        return asyncio.run(play(counting_generate()[1]))
+
+
+def evaluate_fake(generate_rollout: Any, problems: list[dict], title: str | None = None, **cfg: Any) -> Any:
+    task = Task("fake", load_problems=lambda split: [], generate_rollout=generate_rollout)
+    config = RunConfig.model_validate({"recipe": "fake"} | cfg)
+    return evaluate(task, problems, config, None, FakeDriver(), len(problems), title)  # type: ignore[arg-type]
+
+
+def test_each_evaluation_rollout_gets_its_own_deep_copy_of_its_problem() -> None:
+    """The greedy and the sampled pass, and the next evaluation, each play the problem as loaded: a rollout
+    that pops its answer (before: a KeyError in every sampled rollout) or counts in a nested dict changes
+    no other's."""
+
+    async def mutates(ctx, problem: dict) -> Rollout:  # type: ignore[no-untyped-def]
+        answer = problem.pop("answer")
+        fresh = float(problem["tries"]["n"] == 0)
+        problem["tries"]["n"] += 1
+        return Rollout([1], [False], [0.0], [-1], reward=float(answer), metrics={"fresh": fresh})
+
+    problems = [{"answer": str(i), "tries": {"n": 0}} for i in range(6)]
+    for _ in range(2):
+        out = evaluate_fake(mutates, problems)
+        assert out["rollout_errors_greedy"] == out["rollout_errors"] == 0
+        assert out["fresh_greedy"] == out["fresh"] == 1.0
+        assert out["return_greedy"] == out["return"] == 2.5
+    assert problems == [{"answer": str(i), "tries": {"n": 0}} for i in range(6)]
+
+
+def test_a_failed_evaluation_rollout_names_its_pass(caplog: pytest.LogCaptureFixture) -> None:
+    async def fails_on_2(ctx, problem: dict) -> Rollout:  # type: ignore[no-untyped-def]
+        if problem["i"] == 2:
+            raise KeyError("answer")
+        return Rollout([1], [False], [0.0], [-1], reward=1.0)
+
+    with caplog.at_level(logging.WARNING, logger="inflight.orchestrator.guard"):
+        out = evaluate_fake(fails_on_2, [{"i": i} for i in range(4)])
+    assert out["rollout_errors_greedy"] == out["rollout_errors"] == 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "inflight.orchestrator.guard"]
+    assert logged == [
+        "rollout failed (greedy evaluation): problem 2, sample 0: KeyError: 'answer'",
+        "rollout failed (sampled evaluation): problem 2, sample 0: KeyError: 'answer'",
+    ]
+
+
+def test_an_evaluation_with_a_title_shows_its_episodes_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a terminal (here: captured), a line at its first episode, every tenth and its last, with the
+    mean reward so far; none with progress=false, nor for an evaluation without a title (one during
+    training, under the training's own progress)."""
+
+    async def reward_i(ctx, problem: dict) -> Rollout:  # type: ignore[no-untyped-def]
+        return Rollout([1], [False], [0.0], [-1], reward=1.0)
+
+    problems = [{"i": i} for i in range(40)]
+    evaluate_fake(reward_i, problems, "initial evaluation", metrics={"print_every_steps": 2})
+    lines = capsys.readouterr().err.strip().splitlines()
+    greedy = [line for line in lines if line.startswith("fake (initial evaluation, greedy): episode ")]
+    sampled = [line for line in lines if line.startswith("fake (initial evaluation, sampled): episode ")]
+    assert len(lines) == len(greedy) + len(sampled) and len(greedy) == len(sampled)
+    # Every tenth of 40 episodes (4), not every print_every_steps=2: at most ~10 lines, whatever the size.
+    assert [line.split(": episode ")[1].split()[0] for line in greedy] == [f"{n}/40" for n in (1, 4, 8, 12,
+        16, 20, 24, 28, 32, 36, 40)]  # fmt: skip
+    assert "reward +1.000" in greedy[-1] and "s/episode" in greedy[-1]
+
+    evaluate_fake(reward_i, problems, "initial evaluation", progress=False)
+    evaluate_fake(reward_i, problems)
+    assert capsys.readouterr().err == ""

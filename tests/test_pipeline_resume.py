@@ -25,8 +25,9 @@ def run_command(model_dir: Path, run_dir: Path, mode: str) -> list[str]:
         sys.executable, "-m", "inflight.cli", "run", "blackjack",
         f"mode={mode}", "grpo.steps=8", "grpo.prompts_per_step=4", "grpo.group_size=4",
         "warmup.sft_steps=20", "eval.num_episodes=16", "eval.every_steps=0",
-        "checkpoint_every_steps=2", "pipeline.max_staleness_steps=1", "progress=false",
-        f"model.path={model_dir}", "--run-dir", str(run_dir),
+        "checkpoint_every_steps=2", "progress=false", f"model.path={model_dir}", "--run-dir", str(run_dir),
+        # pipeline.* is the asynchronous pipeline's, refused under mode=sync.
+        *(["pipeline.max_staleness_steps=1"] if mode == "async" else []),
     ]  # fmt: skip
 
 

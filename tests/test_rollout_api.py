@@ -1,6 +1,7 @@
 """The rollout API (PipelineRL's shape) and the engine loop that serves it.
 
 - ChatSession keeps a conversation as one token stream with the policy's tokens trained on;
+- a rollout function takes at most grpo.max_turns policy turns (`ctx.max_turns`), as an Env episode does;
 - play_episode (async, one episode) gives the same tokens as run_episodes (lockstep) for the same seeds;
 - the engine loop serves concurrent callers from one continuous batch and swaps weights in flight.
 """
@@ -17,15 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from inflight.config import GRPOConfig, RolloutConfig, RunConfig
 from inflight.envs.blackjack import BlackJackEnv
 from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
 from inflight.inference.engine_loop import EngineLoop, EngineLoopError
 from inflight.models import load_model, load_tokenizer
+from inflight.orchestrator.guard import RolloutGuard
 from inflight.recipes import guess_number
-from inflight.rollouts.api import RolloutContext, scripted_policy
+from inflight.rollouts.api import RolloutContext, TurnLimitError, scripted_policy
 from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import play_episode, run_episodes
-from inflight.types import SampleRequest, SamplingParams, WeightUpdate
+from inflight.types import Rollout, SampleRequest, SamplingParams, WeightUpdate
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,55 @@ def test_chat_session_refuses_out_of_order_turns(model_and_chat) -> None:
     session.user("hello")
     with pytest.raises(RuntimeError, match="twice in a row"):
         session.user("again")
+
+
+async def three_turns(ctx: RolloutContext, problem: dict) -> Rollout:
+    """A rollout function that plays three turns whatever grpo.max_turns says."""
+    chat = ctx.chat()
+    for turn in range(3):
+        chat.user(f"turn {turn}")
+        await chat.assistant()
+    return chat.to_rollout(1.0)
+
+
+async def up_to_max_turns(ctx: RolloutContext, problem: dict) -> Rollout:
+    """A rollout function that ends its loop by ctx.max_turns."""
+    chat = ctx.chat()
+    for turn in range(ctx.max_turns or 3):
+        chat.user(f"turn {turn}")
+        await chat.assistant()
+    return chat.to_rollout(1.0)
+
+
+def test_a_rollout_function_takes_at_most_grpo_max_turns(model_and_chat) -> None:
+    """Only Env episodes were bounded: a 3-turn rollout function under grpo.max_turns=1 played 3 turns."""
+    _, chat = model_and_chat
+    cfg = RunConfig(grpo=GRPOConfig(max_turns=1))
+
+    def context(config: RunConfig | None = cfg) -> RolloutContext:
+        return RolloutContext(
+            scripted_policy(chat, lambda t: "1"), chat, SamplingParams(max_tokens=4), config=config
+        )
+
+    guard = RolloutGuard(RolloutConfig(), min_rollouts=1)
+    assert asyncio.run(guard.run(three_turns, context(), {})) is None
+    assert dict(guard.errors) == {
+        "TurnLimitError: the rollout asked for assistant turn 2; grpo.max_turns=1: end the rollout's loop "
+        "after ctx.max_turns turns, or raise grpo.max_turns": 1
+    }
+    assert context().max_turns == 1
+    played = asyncio.run(guard.run(up_to_max_turns, context(), {}))
+    assert played is not None and played.metrics["turns"] == 1.0
+    # The token level counts the same turns.
+    ctx = context(RunConfig(grpo=GRPOConfig(max_turns=2)))
+    prompt = chat.first_turn("hi")
+    asyncio.run(ctx.generate(prompt))
+    asyncio.run(ctx.generate(prompt))
+    with pytest.raises(TurnLimitError, match=r"assistant turn 3; grpo.max_turns=2"):
+        asyncio.run(ctx.generate(prompt))
+    # A context built by hand, without a config, has no bound.
+    assert context(None).max_turns is None
+    assert asyncio.run(three_turns(context(None), {})).metrics["turns"] == 3.0
 
 
 def test_turn_seeds_differ_by_sample_and_turn(model_and_chat) -> None:

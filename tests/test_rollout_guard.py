@@ -2,9 +2,10 @@
 with hand-written fake rollout functions (no model).
 
 Reference: issue 14 "Bad input": a rollout that raises, returns the wrong type or hangs is counted, logged
-with its problem index and the exception's first line, bounded by `rollout.timeout_s`, and the run goes on;
-more than `rollout.max_failed_frac` failed stops the run naming the most common error. And item 2: problem
-k of a run is the k-th train problem, cycling; an Env task's test split is fixed episode seeds.
+with its phase, its problem index and the exception's first line, bounded by `rollout.timeout_s`, and the
+run goes on; more than `rollout.max_failed_frac` failed stops the run naming the most common error. And
+item 2: problem k of a run is the k-th train problem, cycling, each rollout playing its own deep copy of
+it (docs/bring-your-own-task.md); an Env task's test split is fixed episode seeds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from inflight.envs.base import episode_seeds
 from inflight.envs.math import MathEnv
 from inflight.errors import UserError
 from inflight.orchestrator.guard import LOGGED_PER_ERROR, GuardCounts, RolloutGuard
-from inflight.orchestrator.task import ENV_TEST_SEED, env_task, make_env, train_problem
+from inflight.orchestrator.rollout_group import play_group
+from inflight.orchestrator.task import ENV_TEST_SEED, Task, env_task, make_env, train_problem
 from inflight.rollouts.api import RolloutContext
 from inflight.types import Rollout
 
@@ -78,11 +80,12 @@ def test_each_failure_is_counted_logged_with_its_problem_and_the_run_goes_on(
     # Only the guard's: another library's thread (a leaked SDK client's heartbeat) may log meanwhile.
     messages = [r.getMessage() for r in caplog.records if r.name == GUARD_LOGGER]
     assert messages == [
-        "rollout failed: problem 3, sample 0: ValueError: no answer in the reply",  # its first line
-        "rollout failed: problem 4, sample 0: TypeError: generate_rollout returned a dict, not a Rollout",
-        "rollout failed: problem 5, sample 0: TimeoutError: generate_rollout ran past rollout.timeout_s=0.05"
-        " s",
-        "rollout failed: problem 6, sample 0: TimeoutError: the remote environment did not answer",
+        "rollout failed (training): problem 3, sample 0: ValueError: no answer in the reply",  # first line
+        "rollout failed (training): problem 4, sample 0: TypeError: generate_rollout returned a dict, not a "
+        "Rollout",
+        "rollout failed (training): problem 5, sample 0: TimeoutError: generate_rollout ran past "
+        "rollout.timeout_s=0.05 s",
+        "rollout failed (training): problem 6, sample 0: TimeoutError: the remote environment did not answer",
     ]
     guard.check()  # max_failed_frac=1: never stops
 
@@ -128,10 +131,32 @@ def test_a_cancellation_passes_through_uncounted() -> None:
 
 
 def test_train_problem_k_cycles_through_the_train_split_and_is_a_copy() -> None:
-    problems = [{"i": 0}, {"i": 1}, {"i": 2}]
+    problems = [{"i": 0, "seen": {"n": 0}}, {"i": 1, "seen": {"n": 0}}, {"i": 2, "seen": {"n": 0}}]
     assert [train_problem(problems, k)["i"] for k in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     train_problem(problems, 0)["i"] = 99
-    assert problems[0] == {"i": 0}
+    train_problem(problems, 0)["seen"]["n"] += 1  # nested: a shallow copy would share it
+    assert problems[0] == {"i": 0, "seen": {"n": 0}}
+
+
+def test_each_rollout_of_a_group_gets_its_own_deep_copy_of_its_problem() -> None:
+    """A rollout that pops its answer or counts in a nested dict changes no other sample's problem, nor the
+    problem a later step plays again."""
+    seen: list[tuple[str, int]] = []
+
+    async def mutates(ctx: RolloutContext, problem: dict) -> Rollout:
+        seen.append((problem.pop("answer"), problem["tries"]["n"]))
+        problem["tries"]["n"] += 1
+        return rollout()
+
+    cfg = RunConfig.model_validate({"grpo": {"group_size": 4}})
+    task = Task("fake", load_problems=lambda split: [], generate_rollout=mutates)
+    problem = {"answer": "42", "tries": {"n": 0}}
+    guard = RolloutGuard(cfg.rollout, min_rollouts=1)
+    for _ in range(2):  # the same problem again: a later step's
+        group = asyncio.run(play_group(task, problem, 0, cfg, None, ctx().generate_fn, guard))  # type: ignore[arg-type]
+        assert len(group.rollouts) == 4
+    assert guard.failed == 0 and seen == [("42", 0)] * 8
+    assert problem == {"answer": "42", "tries": {"n": 0}}
 
 
 def test_an_env_tasks_splits_are_seeds() -> None:

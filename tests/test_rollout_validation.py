@@ -2,20 +2,26 @@
 
 A rollout whose reward is NaN or inf, or not a number, or whose metrics hold something that is not a
 number, fails like a rollout that raised: counted, logged in one line naming the problem, and fatal only in
-numbers (before, one NaN crashed the run in `statistics.pstdev`, a str metric in `statistics.fmean`). An
-environment's observation built with a bad field names the field. Errors that differ only by an id count as
-one. And `env.kwargs` are checked against the environment's annotations when the first environment is
-built, before any weights load.
+numbers (before, one NaN crashed the run in `statistics.pstdev`, a str metric in `statistics.fmean`). A
+reward handed to `chat.to_rollout` reaches the guard as given (it once made "1.0" a reward of 1.0), a torch
+or numpy scalar as its number. An environment's observation built with a bad field names the field, and a
+reward given as text is one. Errors that differ only by an id count as one. And `env.kwargs` are checked
+against the environment's annotations when the first environment is built, before any weights load; a
+`split` among them, which the run sets, is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from openenv.core.env_server.types import Observation as OpenEnvObservation
+from pydantic import ValidationError
 
 from inflight.config import RolloutConfig, RunConfig
 from inflight.envs.base import Environment, State, TextAction, TextObservation
@@ -57,6 +63,54 @@ def test_a_reward_that_is_not_a_finite_number_fails_the_rollout(reward: Any, err
     assert guard.failed == 1 and dict(guard.errors) == {error: 1}
     with pytest.raises(UserError, match=r"the most common error \(1x\): " + error.split(":")[0]):
         guard.check()
+
+
+class NoTemplate:
+    """The chat format of a session that only makes its Rollout (no turn is formatted)."""
+
+    system_prompt = None
+
+    def with_system_prompt(self, system_prompt: str | None) -> NoTemplate:
+        return self
+
+
+def chat_rollout(reward: Any) -> Rollout:
+    return RolloutContext(None, NoTemplate(), None).chat().to_rollout(reward)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("reward", "error"),
+    [
+        ("1.0", "TypeError: reward is a str ('1.0'), not a number"),
+        (None, "TypeError: reward is a NoneType (None), not a number"),
+    ],
+)
+def test_a_chat_reward_that_is_not_a_number_fails_the_rollout_in_the_guards_words(
+    reward: Any, error: str
+) -> None:
+    guard = RolloutGuard(RolloutConfig(max_failed_frac=0.5), min_rollouts=1)
+    assert asyncio.run(guard.run(returning(chat_rollout(reward)), ctx(), {})) is None
+    assert dict(guard.errors) == {error: 1}
+
+
+@pytest.mark.parametrize(
+    ("reward", "value"),
+    [
+        (True, 1.0),
+        (2, 2.0),
+        (0.5, 0.5),
+        (np.float32(0.25), 0.25),
+        (np.int64(3), 3.0),
+        (np.bool_(True), 1.0),
+        (np.array(0.75), 0.75),
+        (torch.tensor(0.5), 0.5),
+        (torch.tensor(2), 2.0),
+    ],
+)
+def test_a_chat_reward_of_any_number_type_trains_as_a_float(reward: Any, value: float) -> None:
+    r = chat_rollout(reward)
+    assert rollout_problem(r) is None
+    assert type(r.reward) is float and r.reward == value
 
 
 @pytest.mark.parametrize(
@@ -113,10 +167,44 @@ def test_an_observation_with_a_bad_field_names_it() -> None:
     with pytest.raises(Exception) as e:
         BadReward().step(TextAction(text="yes"))
     assert describe(e.value) == (
-        "ValidationError: TextObservation.reward = 'good' (str): Input should be a valid number, unable to "
-        "parse string as a number"
+        "ValidationError: TextObservation.reward = 'good' (str): a reward is a number (bool, int or float) "
+        "or None, not text"
     )
     assert describe(KeyError("answer")) == "KeyError: 'answer'"  # anything else: as before
+
+
+@pytest.mark.parametrize("reward", ["1", "1.0", b"1"])
+def test_an_observation_reward_given_as_text_is_refused(reward: Any) -> None:
+    """pydantic's lax mode read "1" as 1.0, and the episode trained on it."""
+    with pytest.raises(ValidationError) as e:
+        TextObservation(prompt="x", done=True, reward=reward)
+    assert describe(e.value).endswith("a reward is a number (bool, int or float) or None, not text")
+    observation = TextObservation(prompt="x")
+    with pytest.raises(ValidationError):
+        observation.reward = reward  # validate_assignment: the same rule
+    with pytest.raises(ValidationError):  # from the wire too: OpenEnv sends the reward as a JSON number
+        TextObservation.model_validate_json(json.dumps({"prompt": "x", "reward": str(reward)}))
+
+
+def test_an_observation_reward_of_any_number_type_is_a_float_on_openenvs_wire() -> None:
+    rewards = [True, 1, 0.5, np.float32(0.25), np.int64(2), torch.tensor(0.5), None]
+    assert [TextObservation(prompt="x", reward=r).reward for r in rewards] == [
+        1.0,
+        1.0,
+        0.5,
+        0.25,
+        2.0,
+        0.5,
+        None,
+    ]
+    assert TextObservation.model_validate_json('{"prompt": "x", "reward": 1}').reward == 1.0
+    # The schema OpenEnv's /schema serves is unchanged: a number or null, which its own Observation accepts.
+    reward_schema = TextObservation.model_json_schema()["properties"]["reward"]
+    assert reward_schema["anyOf"] == [{"type": "number"}, {"type": "null"}]
+    wire = TextObservation(prompt="x", done=True, reward=True).model_dump(
+        include={"done", "reward", "metadata"}
+    )
+    assert OpenEnvObservation.model_validate(wire).reward == 1.0
 
 
 def test_errors_that_differ_only_by_an_id_count_as_one() -> None:
@@ -201,3 +289,24 @@ def test_make_env_builds_with_the_checked_kwargs() -> None:
     cfg.env.kwargs = {"high": "thirty"}
     with pytest.raises(UserError, match=r"^env\.kwargs\.high='thirty' is a str, but Guess takes `high: int`"):
         make_env(Guess, cfg, "train")
+
+
+class Split(Guess):
+    def __init__(self, split: str = "train", high: int = 10) -> None:
+        super().__init__(high=high)
+        self.split = split
+
+
+def test_an_env_kwargs_split_the_run_would_overwrite_is_refused() -> None:
+    cfg = RunConfig()
+    assert make_env(Split, cfg, "test").split == "test"  # the run's split
+    cfg.env.kwargs = {"split": "test"}
+    with pytest.raises(UserError) as e:
+        make_env(Split, cfg, "train")
+    assert str(e.value) == (
+        'env.kwargs.split=\'test\': Split gets its split from the run ("train" to train on, "test" to '
+        "evaluate on), which would overwrite this one: drop env.kwargs.split"
+    )
+    # An environment that takes no `split` of its own gets none from the run: its kwargs pass as given.
+    cfg.env.kwargs = {"high": 5}
+    assert make_env(Guess, cfg, "train").high == 5

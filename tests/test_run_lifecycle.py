@@ -133,6 +133,24 @@ def test_a_checkpoint_of_another_model_is_one_line(tiny_model_dir: Path, tmp_pat
     assert "\n" not in message and len(message) < 400
 
 
+def test_a_checkpoint_of_another_tiny_preset_names_model_tiny_preset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run built the tiny model (no model.path); this command asks for model.tiny_preset=small. The key
+    to set back is model.tiny_preset: before, the line said `resume with the run's own model.path`."""
+    task, run_dir = write_task(tmp_path, "varied"), tmp_path / "run"
+    tiny = [a for a in argv(task, Path(), run_dir, 1) if not a.startswith("model.path=")]
+    assert main([*tiny, "warmup.sft_steps=0"]) == 0
+    capsys.readouterr()
+    assert main([*tiny, "warmup.sft_steps=0", "grpo.steps=2", "model.tiny_preset=small"]) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("inflight: ")]
+    assert said == [
+        f"inflight: error: {run_dir} holds a run of model.tiny_preset=tiny (its config.json), and this "
+        "command has model.tiny_preset=small: its weights do not fit this model; resume with "
+        "model.tiny_preset=tiny, or give this run another --run-dir"
+    ]
+
+
 def stopping_logger(run_dir: Path, stop: StopRequest, after: int) -> MetricsLogger:
     """A logger that asks `stop` once it has logged `after` warm-up steps: a signal during the next one."""
 
@@ -210,11 +228,12 @@ def test_a_signal_during_the_warmup_stops_it_after_its_step(
     assert not (run_dir / "checkpoint").exists()
     assert [r["phase"] for r in rows(run_dir)] == ["warmup"] * done + ["summary"]
 
-    # The same command with fewer warm-up steps left: it continues the warm-up, then trains.
+    # The same command with fewer warm-up steps left: it continues the warm-up to them (and says so, not
+    # the stopped command's number), then trains.
     more = done + 1
     assert main(argv(task, tiny_model_dir, run_dir, 2, f"warmup.sft_steps={more}")) == 0
     out, err = capsys.readouterr()
-    assert f"continuing the warm-up after its step {done} of {steps}" in err
+    assert f"continuing the warm-up after its step {done} of {more} " in err
     assert last_json(out)["steps"] == 2
     assert [r["step"] for r in rows(run_dir) if r["phase"] == "warmup"] == list(range(more))
 

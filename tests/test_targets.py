@@ -184,6 +184,12 @@ def test_nothing_usable_in_a_file(capsys, tmp_path: Path) -> None:
     assert "Environment subclass" in line
 
 
+def test_load_problems_without_generate_rollout_names_the_missing_function(capsys, tmp_path: Path) -> None:
+    half = ROLLOUT_PAIR.replace("async def generate_rollout(ctx, problem):", "async def play(ctx, problem):")
+    line = one_line_error(capsys, tmp_path, write(tmp_path, "half.py", half))
+    assert "half.py has load_problems but no `async def generate_rollout(ctx, problem) -> Rollout`" in line
+
+
 def test_generate_rollout_not_async(capsys, tmp_path: Path) -> None:
     source = ROLLOUT_PAIR.replace("async def generate_rollout(ctx, problem)", "def generate_rollout(problem)")
     line = one_line_error(capsys, tmp_path, write(tmp_path, "sync_fn.py", source))
@@ -207,6 +213,9 @@ def test_preset_wrong(capsys, tmp_path: Path) -> None:
     returns_dict = ROLLOUT_PAIR.replace("return RunConfig(seed=7)", "return {'seed': 7}")
     line = one_line_error(capsys, tmp_path, write(tmp_path, "p2.py", returns_dict))
     assert "p2: preset() must return a RunConfig, not dict" in line
+    raises = ROLLOUT_PAIR.replace("return RunConfig(seed=7)", "raise RuntimeError('preset broke')")
+    line = one_line_error(capsys, tmp_path, write(tmp_path, "p3.py", raises))
+    assert line == "inflight: error: p3: preset() raised RuntimeError: preset broke"
 
 
 def test_a_file_that_fails_to_import(capsys, tmp_path: Path) -> None:

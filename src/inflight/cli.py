@@ -23,7 +23,7 @@ BENCHMARKS = ("engine", "grpo", "pipeline", "serve", "sandbox", "train", "trl")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from inflight.config import apply_overrides, list_keys
+    from inflight.config import apply_overrides, check_overrides_apply, list_keys
 
     if args.list_keys and not args.target:
         print("\n".join(list_keys()))
@@ -46,6 +46,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 value = value[part]  # type: ignore[index]
             print(f"{key}={json.dumps(value)}")
         return 0
+    check_overrides_apply(cfg, list(args.overrides), task.name, plays_env=task.env is not None)
     from inflight.preflight import check_run
 
     check_run(cfg, task.name, task.env)

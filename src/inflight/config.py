@@ -390,3 +390,34 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
 
 def list_keys() -> list[str]:
     return _valid_keys(RunConfig)
+
+
+def check_overrides_apply(config: RunConfig, overrides: list[str], task: str, plays_env: bool) -> None:
+    """Refuse an override that `config`'s run would ignore: pipeline.* under mode=sync, ray.* under
+    launcher=local, env.kwargs for a task `task` written without an environment (`plays_env` False).
+
+    Only the user's own `overrides` (applied to `config`): a preset may set keys for a mode or a launcher
+    that a run of it does not use, as defaults for the runs that do."""
+    for item in overrides:
+        key = item.partition("=")[0]
+        if config.mode == "sync" and _sets(key, "pipeline"):
+            raise UserError(
+                f"{item}: pipeline.* configures the asynchronous pipeline, and mode=sync runs the on-policy "
+                "loop, which reads none of it: drop the setting, or set mode=async"
+            )
+        if config.launcher == "local" and _sets(key, "ray"):
+            raise UserError(
+                f"{item}: ray.* configures launcher=ray, and this run's launcher is local, which reads none "
+                "of it: drop the setting, or set launcher=ray"
+            )
+        if not plays_env and config.env.kwargs and _sets(key, "env.kwargs"):
+            raise UserError(
+                f"{item}: {task} is written with generate_rollout and builds no environment, so nothing "
+                "reads env.kwargs: drop the setting"
+            )
+
+
+def _sets(key: str, section: str) -> bool:
+    """Whether an override of `key` sets (part of) `section`: `pipeline.x` and `pipeline` set pipeline;
+    `env` sets env.kwargs too (a whole dict)."""
+    return key == section or key.startswith(f"{section}.") or section.startswith(f"{key}.")

@@ -2,8 +2,9 @@
 
 Owns the listening socket (bound here, then handed to uvicorn: no window for another process to take the
 port), writable directories and output files, database URLs (by connecting, with a bounded timeout), model
-directories, engine URLs and environment kwargs. Each failure is a UserError naming the input and the fix.
-Knows nothing of what the commands do next; heavy imports stay inside the functions.
+directories and the context their model addresses, engine URLs and environment kwargs. Each failure is a
+UserError naming the input and the fix. Knows nothing of what the commands do next; heavy imports stay
+inside the functions.
 """
 
 from __future__ import annotations
@@ -310,6 +311,64 @@ def check_chat_template(name_or_path: str) -> None:
         )
 
 
+def check_context_length(cfg: RunConfig) -> None:
+    """engine.max_seq_len_tokens within the positions the model addresses, read from its config (no weight):
+    past them a model with learned positions fails mid-run, and a rotary one trains on positions it never
+    saw, with only a warning from transformers."""
+    config = _model_config(cfg)
+    context = None if config is None else context_tokens(config)
+    tokens = cfg.engine.max_seq_len_tokens
+    if context is not None and tokens > context[0]:
+        limit, basis = context
+        model = repr(cfg.model.path) if cfg.model.path else f"the {cfg.model.tiny_preset} model"
+        raise UserError(
+            f"engine.max_seq_len_tokens={tokens} is more than the {limit} positions {model} addresses "
+            f"({basis} in its config): set engine.max_seq_len_tokens={limit} or less"
+        )
+
+
+def _model_config(cfg: RunConfig) -> Any:
+    """The run's model config (the tiny model's, built from its preset, when no model.path); None when it
+    cannot be read, which the loader then reports in its own words."""
+    if not cfg.model.path:
+        from inflight.models.tiny import PRESETS, model_config
+
+        return model_config(PRESETS[cfg.model.tiny_preset])
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model.path)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def context_tokens(config: Any) -> tuple[int, str] | None:
+    """The most positions `config`'s model addresses, and what in its config says so; None where it does not
+    say (no max_position_embeddings, a rope scaling without one factor such as longrope's lists, a rope per
+    layer type): nothing is refused then."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0:
+        return None
+    # transformers 5 names it rope_parameters (rope_type "default": no scaling), older configs rope_scaling.
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if not isinstance(rope, dict) or any(isinstance(value, dict) for value in rope.values()):
+        return None
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return positions, f"max_position_embeddings={positions}"
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float):
+        return None
+    # Linear, dynamic and YaRN scaling stretch the original context by the factor; Llama 3's
+    # max_position_embeddings already counts its own (8 x 8192 = 65536, below its 131072).
+    original = int(rope.get("original_max_position_embeddings") or positions)
+    scaled = int(factor * original)
+    if scaled <= positions:
+        return positions, f"max_position_embeddings={positions}"
+    return scaled, f"max_position_embeddings={positions}, {kind} rope scaling x{factor:g} of {original}"
+
+
 def check_env(name: str, kwargs: dict[str, Any], factory: Any = None) -> None:
     """The environment exists and its constructor takes every key of `kwargs` (their values it checks).
 
@@ -385,6 +444,7 @@ def check_run(cfg: RunConfig, env_name: str = "", env_factory: Any = None) -> No
     if cfg.launcher == "local":  # under Ray the devices are the placed actors', not this machine's
         resolve_device(cfg.engine.device, "engine.device")
         resolve_device(cfg.trainer.device, "trainer.device")
+    check_context_length(cfg)
     if cfg.env.name:
         check_env(cfg.env.name, cfg.env.kwargs)
     elif env_factory is not None:

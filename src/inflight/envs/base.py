@@ -12,9 +12,10 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from inflight.errors import UserError
 
@@ -27,6 +28,18 @@ class Action(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+def _not_text(value: Any) -> Any:
+    """A reward given as text is refused: pydantic's lax mode would read "1" as 1.0 (OpenEnv's own
+    `bool | int | float` reward reads it as True), and a reward the task never meant would train."""
+    if isinstance(value, str | bytes | bytearray):
+        raise PydanticCustomError("float_type", "a reward is a number (bool, int or float) or None, not text")
+    return value
+
+
+# OpenEnv's wire format sends the reward as a JSON number (or null); a bool or an int becomes a float here.
+Reward = Annotated[float | None, BeforeValidator(_not_text)]
+
+
 class Observation(BaseModel):
     """Base of every observation; mirrors `openenv.core.env_server.types.Observation`.
 
@@ -37,7 +50,7 @@ class Observation(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     done: bool = False
-    reward: float | None = None  # reward of the action that led here; None at reset unless already done
+    reward: Reward = None  # reward of the action that led here; None at reset unless already done
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -13,7 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class StepProgress:
-    """`update(step, reward)` after each step (`step` counts steps done). `terminal` None = ask the stream."""
+    """`update(step, reward)` after each step (`step` counts steps done). `terminal` None = ask the stream.
+    `unit` names what is counted in the plain lines ("step"; an evaluation counts "episode"s)."""
 
     def __init__(
         self,
@@ -23,7 +24,9 @@ class StepProgress:
         every_steps: int = 10,
         stream: TextIO | None = None,
         terminal: bool | None = None,
+        unit: str = "step",
     ) -> None:
+        self.unit = unit
         self.total_steps, self.description, self.every_steps = total_steps, description, max(1, every_steps)
         self._stream = stream
         console = Console(file=stream, stderr=stream is None)
@@ -66,9 +69,9 @@ class StepProgress:
     def plain_line(self, step: int, reward: str) -> str:
         elapsed = time.monotonic() - self._t0
         done = step - (self._first_step or 0)
-        per_step = f"{elapsed / done:.2f} s/step" if done > 0 else "- s/step"
+        per_step = f"{elapsed / done:.2f} s/{self.unit}" if done > 0 else f"- s/{self.unit}"
         minutes, seconds = divmod(int(elapsed), 60)
         return (
-            f"{self.description}: step {step}/{self.total_steps}  reward {reward.strip()}  "
+            f"{self.description}: {self.unit} {step}/{self.total_steps}  reward {reward.strip()}  "
             f"{per_step}  elapsed {minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
         )

@@ -6,17 +6,20 @@ problems and the same random numbers (a paired comparison). Greedy decoding is a
 the greedy evaluation generates each distinct request once and hands the result to every rollout that asks
 it again (`greedy_once`): BlackJack's 10,000 test hands start from 2,815 distinct first turns, and its
 greedy evaluation sends ~45% fewer requests to the engine. Failed rollouts are counted and left out, under
-the guard's rules. Knows nothing of training: the policy comes through a `Driver` (`drivers.py`), and
-the loops log what this returns under `test/`.
+the guard's rules. Each rollout gets its own deep copy of its problem. Knows nothing of training: the policy
+comes through a `Driver` (`drivers.py`), and the loops log what this returns under `test/`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import statistics
+from contextlib import nullcontext
 
 from inflight.config import RunConfig
+from inflight.metrics.progress import StepProgress
 from inflight.orchestrator.drivers import Driver
 from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.task import Problems, Task
@@ -26,29 +29,56 @@ from inflight.types import Completion, Rollout, SampleRequest, SamplingParams
 
 
 def evaluate(
-    task: Task, problems: Problems, cfg: RunConfig, chat: ChatFormat, driver: Driver, num_problems: int
+    task: Task,
+    problems: Problems,
+    cfg: RunConfig,
+    chat: ChatFormat,
+    driver: Driver,
+    num_problems: int,
+    title: str | None = None,
 ) -> dict[str, float]:
     """On the first `num_problems` test problems: the mean of every rollout metric (e.g. `correct`) and
     `return` under greedy decoding (with a `_greedy` suffix) and, on the first `eval.num_episodes_sampled`
     of them, of the sampling policy; the failed rollouts of each (`rollout_errors_greedy`,
-    `rollout_errors`)."""
-    batch = [dict(problems[i]) for i in range(min(num_problems, len(problems)))]
+    `rollout_errors`). `title` ("initial evaluation"): shows its progress (`cfg.progress`), episodes
+    finished and their mean reward; None for one beside the training's own progress."""
+    batch = [problems[i] for i in range(min(num_problems, len(problems)))]
     if not batch:
         return {}
-    greedy = _play(task, batch, cfg, chat, driver, greedy=True)
+    greedy = _play(task, batch, cfg, chat, driver, greedy=True, title=title)
     sampled_cap = cfg.eval.num_episodes_sampled
     sampled_batch = batch if sampled_cap is None else batch[:sampled_cap]
-    sampled = _play(task, sampled_batch, cfg, chat, driver, greedy=False) if sampled_batch else {}
+    sampled = (
+        _play(task, sampled_batch, cfg, chat, driver, greedy=False, title=title) if sampled_batch else {}
+    )
     return greedy | sampled
 
 
 def _play(
-    task: Task, batch: list[dict], cfg: RunConfig, chat: ChatFormat, driver: Driver, greedy: bool
+    task: Task,
+    batch: list[dict],
+    cfg: RunConfig,
+    chat: ChatFormat,
+    driver: Driver,
+    greedy: bool,
+    title: str | None,
 ) -> dict[str, float]:
-    suffix = "_greedy" if greedy else ""
+    suffix, kind = ("_greedy", "greedy") if greedy else ("", "sampled")
     temperature = 0.0 if greedy else cfg.sampling.temperature
     params = SamplingParams(max_tokens=cfg.sampling.max_tokens_per_turn, temperature=temperature)
-    guard = RolloutGuard(cfg.rollout, min_rollouts=len(batch), what=f"test rollouts ({suffix or 'sampled'})")
+    guard = RolloutGuard(
+        cfg.rollout, min_rollouts=len(batch), what=f"test rollouts ({kind})", phase=f"{kind} evaluation"
+    )
+    progress = _progress(cfg, f"{cfg.recipe} ({title}, {kind})", len(batch)) if title else None
+    rewards: list[float] = []  # of the rollouts done so far (a failed one has none), for the progress
+    done = 0
+
+    def finished(rollout: Rollout | None) -> None:
+        nonlocal done
+        done += 1
+        rewards.extend([rollout.reward] if rollout is not None else [])
+        if progress is not None:
+            progress.update(done, statistics.fmean(rewards) if rewards else None)
 
     async def play(generate: GenerateFn) -> list[Rollout | None]:
         if greedy:
@@ -61,13 +91,18 @@ def _play(
 
         async def one(ctx: RolloutContext, problem: dict) -> Rollout | None:
             async with slots:  # the rollout's timeout runs from here, not while it waits for a slot
-                return await guard.run(task.generate_rollout, ctx, problem)
+                # Its own deep copy: a rollout that changes its problem (pops its answer, say) leaves it
+                # whole for the other pass and the next evaluation.
+                rollout = await guard.run(task.generate_rollout, ctx, copy.deepcopy(problem))
+            finished(rollout)
+            return rollout
 
         return await asyncio.gather(
             *(one(ctx, problem) for ctx, problem in zip(contexts, batch, strict=True))
         )
 
-    rollouts = [r for r in driver.run(play) if r is not None]
+    with progress or nullcontext():
+        rollouts = [r for r in driver.run(play) if r is not None]
     guard.check()
     if not rollouts:  # max_failed_frac=1 lets every one fail: nothing to average
         return {f"rollout_errors{suffix}": float(guard.failed)}
@@ -76,6 +111,13 @@ def _play(
         out[f"{key}{suffix}"] = statistics.fmean(r.metrics.get(key, 0.0) for r in rollouts)
     out[f"rollout_errors{suffix}"] = float(guard.failed)
     return out
+
+
+def _progress(cfg: RunConfig, description: str, episodes: int) -> StepProgress:
+    # A line at the first episode, about every tenth of them and the last: an evaluation of 10,000 episodes
+    # says it is alive without printing thousands of lines.
+    every = max(cfg.metrics.print_every_steps, -(-episodes // 10))
+    return StepProgress(episodes, description, enabled=cfg.progress, every_steps=every, unit="episode")
 
 
 def episodes_in_flight(cfg: RunConfig) -> int:

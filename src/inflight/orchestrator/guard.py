@@ -2,13 +2,14 @@
 
 Every call is bounded by `rollout.timeout_s` and its result checked (`rollout_problem`: a Rollout whose
 reward is a finite number and whose metrics are numbers); a failure (an exception, a result that is not
-such a Rollout, a timeout) is counted and logged with its problem index and the exception's first line,
-and the run goes on without that rollout. Once more than `rollout.max_failed_frac` of the rollouts failed,
-`check()` stops the run with a message naming the most common error, counted with ids (request ids,
-addresses) set aside: each message that carries one is otherwise unique. Knows nothing of engines, buffers
-or steps; the loops and the evaluation each hold one. A guard in another process (a rollout worker's)
-reports its counts (`take_counts`) to the run's guard (`absorb`), which judges them with its own. The
-rollout's context carries its deadline (`RolloutContext.deadline`): what it waits for can be bounded by it.
+such a Rollout, a timeout) is counted and logged with its phase, its problem index and the exception's
+first line, and the run goes on without that rollout. Once more than `rollout.max_failed_frac` of the
+rollouts failed, `check()` stops the run with a message naming the most common error, counted with ids
+(request ids, addresses) set aside: each message that carries one is otherwise unique. Knows nothing of
+engines, buffers or steps; the loops, the warm-up and the evaluation each hold one. A guard in another
+process (a rollout worker's) reports its counts (`take_counts`) to the run's guard (`absorb`), which judges
+them with its own. The rollout's context carries its deadline (`RolloutContext.deadline`): what it waits
+for can be bounded by it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from inflight.config import RolloutConfig
 from inflight.errors import UserError, describe
-from inflight.orchestrator.task import GenerateRollout, Problem
+from inflight.orchestrator.task import GenerateRollout, HookError, Problem
 from inflight.rollouts.api import RolloutContext
 from inflight.types import Rollout
 
@@ -54,13 +55,20 @@ class RolloutGuard:
     """`await guard.run(generate_rollout, ctx, problem)` -> the Rollout, or None when it failed.
 
     `min_rollouts`: how many rollouts must have been tried before `check()` judges the failed fraction
-    (a step's worth in training), so one early failure does not stop a run.
+    (a step's worth in training), so one early failure does not stop a run. `what` names the rollouts in
+    `check()`'s message; `phase` (training, warm-up, greedy or sampled evaluation) each failure's log line,
+    whose problem index means the k-th of the run in training and the i-th test problem in an evaluation.
+    A task's optional function failing in a rollout (`HookError`: a `warmup_reply`) is no failed rollout
+    but a bug in the task: it passes through, uncounted, and ends the run.
     """
 
-    def __init__(self, config: RolloutConfig, min_rollouts: int, what: str = "rollouts") -> None:
+    def __init__(
+        self, config: RolloutConfig, min_rollouts: int, what: str = "rollouts", phase: str = "training"
+    ) -> None:
         self.config = config
         self.min_rollouts = max(1, min_rollouts)
         self.what = what
+        self.phase = phase
         self.attempted = 0
         self.failed = 0
         self.timeouts = 0
@@ -84,6 +92,8 @@ class RolloutGuard:
             timed_out = deadline.expired()  # else the task's own TimeoutError
             limit = f"rollout.timeout_s={self.config.timeout_s:g}"
             error = f"TimeoutError: generate_rollout ran past {limit} s" if timed_out else describe(e)
+        except HookError:
+            raise
         except Exception as e:  # the task's own failure: counted, and fatal only in numbers (`check`)
             error = describe(e)
         else:
@@ -106,7 +116,8 @@ class RolloutGuard:
                 " (more failures with this error are counted, not logged)" if seen == LOGGED_PER_ERROR else ""
             )
             log.warning(
-                "rollout failed: problem %d, sample %d: %s%s",
+                "rollout failed (%s): problem %d, sample %d: %s%s",
+                self.phase,
                 ctx.problem_index,
                 ctx.sample_index,
                 error,

@@ -10,6 +10,7 @@ so that a worker can append it to a stream the pipeline reads. Knows nothing of 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from dataclasses import dataclass
 from typing import Protocol
@@ -53,8 +54,10 @@ async def play_group(
         RolloutContext(generate, chat, params, group_id, problem_index, j, cfg.seed, cfg)
         for j in range(cfg.grpo.group_size)
     ]
+    # Each rollout its own deep copy: one that changes its problem (pops its answer, counts in a nested
+    # dict) changes no other sample's, nor a later step's.
     results = await asyncio.gather(
-        *(guard.run(task.generate_rollout, ctx, dict(problem)) for ctx in contexts)
+        *(guard.run(task.generate_rollout, ctx, copy.deepcopy(problem)) for ctx in contexts)
     )
     rollouts = [r for r in results if r is not None]
     for r in rollouts:

@@ -19,7 +19,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,11 +44,11 @@ from inflight.orchestrator.setup import (
 from inflight.orchestrator.stopping import StopRequest
 from inflight.orchestrator.sync_loop import LoopParts
 from inflight.orchestrator.sync_loop import train as train_sync
-from inflight.orchestrator.task import Problems, Task, load_split
+from inflight.orchestrator.task import HookError, Problems, Task, load_split
 from inflight.orchestrator.task_warmup import task_warmup
-from inflight.orchestrator.warmup import WARMUP_DIR, format_warmup, warmup_steps_done
+from inflight.orchestrator.warmup import WARMUP_DIR, checked_reply, format_warmup, warmup_steps_done
 from inflight.rollouts.chat import ChatFormat
-from inflight.trainer.checkpoint import check_resumable, checkpoint_step
+from inflight.trainer.checkpoint import OtherModelError, check_resumable, checkpoint_step
 from inflight.trainer.process import StepTrainer, TrainerProcess
 
 if TYPE_CHECKING:
@@ -118,9 +118,8 @@ def run(
     with _run_directory(cfg, path) as run_dir:
         model, tokenizer = load_policy(cfg)
         # What only the model can tell, still before anything is written: a refused resume leaves the run
-        # directory as it was. The warm-up's weights are the whole model's, whatever trainer.lora_rank.
-        check_resumable(run_dir / "checkpoint", model, cfg.trainer.lora_rank)
-        check_resumable(run_dir / WARMUP_DIR, model, lora_rank=0)
+        # directory as it was.
+        _check_resumable(cfg, run_dir, model)
         if first_step:
             _note(f"resuming from the checkpoint at step {first_step} ({path / 'checkpoint'})")
         (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
@@ -152,17 +151,17 @@ def run(
                 stack.callback(trainer.close)
             parts = LoopParts(policy_engine(engine, trainer), trainer, chat, task, train_problems, stop)
 
-            def test(driver: Driver, num_problems: int) -> dict[str, float]:
-                return evaluate(task, test_problems, cfg, chat, driver, num_problems)
+            def test(driver: Driver, num_problems: int, title: str | None = None) -> dict[str, float]:
+                return evaluate(task, test_problems, cfg, chat, driver, num_problems, title)
 
-            def during(driver: Driver) -> dict[str, float]:
+            def during(driver: Driver) -> dict[str, float]:  # no progress of its own: the training's shows
                 return _test_metrics(test(driver, cfg.eval.num_episodes_during))
 
             # The initial evaluation once per run: an earlier command's, when one logged it (a resume, whose
             # policy before training is gone; a run stopped before its first step), else made now.
             initial = _logged_initial(run_dir)
             if not initial and not first_step:
-                initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
+                initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes, "initial evaluation")
                 if initial:
                     logger.log(0, _test_metrics(initial), phase="eval")
             if stop is not None and stop.reason is not None and first_step < cfg.grpo.steps:
@@ -182,7 +181,7 @@ def run(
                 trainer.save_checkpoint(run_dir / "checkpoint", extra={"step": last_step})
             # The trained weights, whichever engine (or inference replica) generated with them.
             publish(parts.engine, trainer)
-            final = test(InlineDriver(parts.engine), cfg.eval.num_episodes)
+            final = test(InlineDriver(parts.engine), cfg.eval.num_episodes, "final evaluation")
             if final:
                 logger.log(last_step, _test_metrics(final), phase="eval")
 
@@ -192,13 +191,49 @@ def run(
                 cfg, task, run_dir, t0, first_step, history, len(test_problems), initial, final, stopped
             )
             logger.log(last_step, summary, phase="summary")
-        return _finish(run_dir, summary)
+        _finish(run_dir, summary)
+    # Out of the run directory's block: a run of no step that fails here keeps what it wrote.
+    _check_summarized(summary, run_dir)
+    _note_skipped_steps(cfg, summary)
+    return summary
 
 
 def _finish(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(run_dir)
     return summary
+
+
+def _check_summarized(summary: dict[str, Any], run_dir: Path) -> None:
+    """UserError once the run's own summary and curves are written, when the task's `summarize` failed: the
+    summary lacks its keys (`summarize_error` says why), and the same command, once it is fixed, evaluates
+    the final policy again and adds them (`_finished_summary`)."""
+    error = summary.get("summarize_error")
+    if error is not None:
+        raise UserError(
+            f"{error}; the run's own summary is in {run_dir / 'summary.json'}, without the task's keys: fix "
+            "summarize and run the same command again to add them"
+        )
+
+
+def _note_skipped_steps(cfg: RunConfig, summary: dict[str, Any]) -> None:
+    """One line when most of the run's steps updated nothing: a run that learns nothing looks like one
+    that trains, but for the skipped count in metrics.jsonl."""
+    steps, skipped = summary["steps"], summary["steps_skipped"]
+    if not steps or 2 * skipped <= steps:
+        return
+    sft_steps = cfg.warmup.sft_steps
+    never = (
+        f"the model cannot produce the format yet after the warm-up (warmup.sft_steps={sft_steps})"
+        if sft_steps
+        else "the model never produces the format (no warm-up: warmup.sft_steps=0)"
+    )
+    _note(
+        f"{skipped} of the run's {steps} steps updated nothing (steps_skipped): in every group every rollout "
+        "got the same reward, which teaches nothing. Usually the replies are too short for the answer "
+        f"format (sampling.max_tokens_per_turn={cfg.sampling.max_tokens_per_turn}), {never}, or the reward "
+        "is the same whatever the reply"
+    )
 
 
 def _note(line: str) -> None:
@@ -229,16 +264,17 @@ def _warm_up(
     if not cfg.warmup.sft_steps and saved is None:
         return
     if saved is not None and saved[0] < min(saved[1], cfg.warmup.sft_steps):
-        _note(f"continuing the warm-up after its step {saved[0]} of {saved[1]} ({state_dir})")
+        # Of this command's warmup.sft_steps, which it continues to, not of those the stopped one asked.
+        _note(f"continuing the warm-up after its step {saved[0]} of {cfg.warmup.sft_steps} ({state_dir})")
     warm_logger = logger if first_step == 0 else None
     if task.env is not None:
 
         def new_env() -> Environment:
             return task.make_env(cfg, "train")
 
+        reply = checked_reply(task.warmup_reply, task.name) if task.warmup_reply else None
         format_warmup(
-            model, pad_id(tokenizer), chat, new_env, cfg, warm_logger, task.warmup_reply,
-            state_dir=state_dir, stop=stop,
+            model, pad_id(tokenizer), chat, new_env, cfg, warm_logger, reply, state_dir=state_dir, stop=stop,
         )  # fmt: skip
     else:
         task_warmup(
@@ -276,6 +312,33 @@ def check_resume(cfg: RunConfig, path: Path) -> int:
     return step
 
 
+def _check_resumable(cfg: RunConfig, run_dir: Path, model: torch.nn.Module) -> None:
+    """`check_resumable` on the checkpoint and the saved warm-up (whose weights are the whole model's,
+    whatever trainer.lora_rank). A checkpoint of another tiny model names model.tiny_preset, the key this
+    command changed from the run's config.json, where `check_resumable` can only say model.path."""
+    try:
+        check_resumable(run_dir / "checkpoint", model, cfg.trainer.lora_rank)
+        check_resumable(run_dir / WARMUP_DIR, model, lora_rank=0)
+    except OtherModelError:
+        was = _tiny_preset(_recorded_config(run_dir))
+        if cfg.model.path or was in (None, cfg.model.tiny_preset):
+            raise
+        key, now = "model.tiny_preset", cfg.model.tiny_preset
+        raise UserError(
+            f"{run_dir} holds a run of {key}={was} (its config.json), and this command has {key}={now}: its "
+            f"weights do not fit this model; resume with {key}={was}, or give this run another --run-dir"
+        ) from None
+
+
+def _tiny_preset(recorded: dict[str, Any] | None) -> str | None:
+    """The tiny model's preset a recorded run trained (None: it trained a model.path, or none is known)."""
+    model = (recorded or {}).get("model")
+    if not isinstance(model, dict) or model.get("path"):
+        return None
+    preset = model.get("tiny_preset")
+    return preset if isinstance(preset, str) else None
+
+
 def _recorded_config(path: Path) -> dict[str, Any] | None:
     """The config.json a run wrote into `path` at its start, if there is one (another file of that name,
     a model's say, is no run's)."""
@@ -288,13 +351,15 @@ def _recorded_config(path: Path) -> dict[str, Any] | None:
 
 def _finished_summary(path: Path, steps: int) -> dict[str, Any] | None:
     """The summary a run in `path` wrote on finishing `steps` steps; None when it did not (killed during its
-    final evaluation, or stopped: the run still has to finish)."""
+    final evaluation, or stopped: the run still has to finish; or its task's `summarize` failed: the run
+    still has to add its keys)."""
     try:
         summary = json.loads((path / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    finished = isinstance(summary, dict) and summary.get("steps") == steps and summary.get("stopped") is None
-    return summary if finished else None
+    if not isinstance(summary, dict) or "summarize_error" in summary:
+        return None
+    return summary if summary.get("steps") == steps and summary.get("stopped") is None else None
 
 
 def _logged_initial(run_dir: Path) -> dict[str, float]:
@@ -375,54 +440,97 @@ def build_summary(
     stopped: str | None = None,
 ) -> dict[str, Any]:
     """The keys every task reports, in this order: recipe, mode, steps (the whole run's, those before a
-    resume included), wall_s (this process's seconds, from the start of `run` to the summary),
-    wall_s_total (the seconds of every process of the run that wrote a summary to metrics.jsonl, this one
-    included: a process killed before its summary is missing from it), eval_problems and
-    eval_problems_sampled (how many test problems the greedy and the sampled evaluation played),
-    return_initial/final (greedy decoding on the test problems), return_initial/final_sampled (the
-    sampling policy), the task's `summarize()` keys, return_first10/last10 (mean training reward of the
-    first and last tenth of the whole run's steps, those before a resume read from metrics.jsonl), stopped
-    (the signal that ended the training before cfg.grpo.steps, else None), run_dir."""
+    resume included), steps_skipped (those of them that updated nothing: no group's rewards differed),
+    wall_s (this process's seconds, from the start of `run` to the summary), wall_s_total (the seconds of
+    every process of the run that wrote a summary to metrics.jsonl, this one included: a process killed
+    before its summary is missing from it), eval_problems and eval_problems_sampled (how many test problems
+    the greedy and the sampled evaluation played), eval_errors_initial/final(_sampled) (how many of those
+    rollouts failed, left out of the returns), return_initial/final (greedy decoding on the test
+    problems), return_initial/final_sampled (the sampling policy), the task's `summarize()` keys,
+    return_first10/last10 (mean training reward of the first and last tenth of the whole run's steps, those
+    before a resume read from metrics.jsonl), stopped (the signal that ended the training before
+    cfg.grpo.steps, else None), run_dir; and summarize_error, only when the task's `summarize` failed (its
+    keys are then left out)."""
     rows = read_metrics(run_dir) if (run_dir / METRICS_FILE).is_file() else []
-    rewards = _earlier_rewards(rows, first_step) + [h["reward_mean"] for h in history]
+    step_rows = _earlier_steps(rows, first_step) + history  # the whole run's, in order
+    rewards = [_reward(row) for row in step_rows]
     wall_s = round(time.perf_counter() - t0, 1)
     earlier_wall_s = sum(
         r["wall_s"] for r in rows if r.get("phase") == "summary" and _is_number(r.get("wall_s"))
     )
     evaluated, sampled_cap = min(cfg.eval.num_episodes, test_problems), cfg.eval.num_episodes_sampled
     tenth = max(1, len(rewards) // 10)
-    extra = task.summarize(cfg, initial, final) if task.summarize and initial and final else {}
-    return {
+    ours = {
         "recipe": cfg.recipe,
         "mode": cfg.mode,
         "steps": first_step + len(history),
+        "steps_skipped": sum(bool(row.get("steps_skipped")) for row in step_rows),
         "wall_s": wall_s,
         "wall_s_total": round(earlier_wall_s + wall_s, 1),
         "eval_problems": evaluated,
         "eval_problems_sampled": evaluated if sampled_cap is None else min(sampled_cap, evaluated),
+        "eval_errors_initial": _count(initial.get("rollout_errors_greedy")),
+        "eval_errors_final": _count(final.get("rollout_errors_greedy")),
+        "eval_errors_initial_sampled": _count(initial.get("rollout_errors")),
+        "eval_errors_final_sampled": _count(final.get("rollout_errors")),
         "return_initial": _rounded(initial.get("return_greedy")),
         "return_final": _rounded(final.get("return_greedy")),
         "return_initial_sampled": _rounded(initial.get("return")),
         "return_final_sampled": _rounded(final.get("return")),
-        **extra,
+    }
+    end = {
         "return_first10": round(statistics.fmean(rewards[:tenth]), 4) if rewards else None,
         "return_last10": round(statistics.fmean(rewards[-tenth:]), 4) if rewards else None,
         "stopped": stopped,
         "run_dir": str(run_dir),
     }
+    try:
+        extra = _task_keys(cfg, task, initial, final, ours.keys() | end.keys())
+    except UserError as e:  # written without them, then reported (`_check_summarized`): nothing is lost
+        return ours | end | {"summarize_error": str(e)}
+    return ours | extra | end
 
 
-def _earlier_rewards(rows: list[dict[str, Any]], first_step: int) -> list[float]:
-    """The training reward of steps 0 .. first_step - 1, as metrics.jsonl logged them. A step logged twice
+def _task_keys(
+    cfg: RunConfig, task: Task, initial: dict[str, float], final: dict[str, float], ours: Iterable[str]
+) -> dict[str, Any]:
+    """The task's `summarize` keys, once both evaluations exist; HookError when one is a key of ours.
+
+    Refused rather than kept under a prefix: a task returning `return_final` means to replace it, and a
+    rename would leave a script reading the summary with a value the task did not mean, or with nothing
+    where it looked; the shared keys mean the same for every task."""
+    if not (initial and final):
+        return {}
+    extra = task.summary_keys(cfg, initial, final)
+    taken = sorted(set(extra) & {*ours, "summarize_error"})
+    if taken:
+        raise HookError(
+            f"{task.name}: summarize(cfg, initial, final) returned keys the summary has already "
+            f"({', '.join(taken)}): give them names of their own"
+        )
+    return extra
+
+
+def _earlier_steps(rows: list[dict[str, Any]], first_step: int) -> list[dict[str, Any]]:
+    """The training rows of steps 0 .. first_step - 1, as metrics.jsonl logged them. A step logged twice
     (after a kill, the run went back to its last checkpoint) counts once: the later row, the one the
-    checkpoint continued from. NaN where the row has none (a step whose rollouts all failed)."""
-    by_step: dict[int, float] = {}
+    checkpoint continued from."""
+    by_step: dict[int, dict[str, Any]] = {}
     for row in rows:
         step = row.get("step")
         if row.get("phase") == "train" and isinstance(step, int) and 0 <= step < first_step:
-            reward = row.get("reward_mean")
-            by_step[step] = float(reward) if isinstance(reward, int | float) else math.nan
+            by_step[step] = row
     return [by_step[step] for step in sorted(by_step)]
+
+
+def _reward(row: dict[str, Any]) -> float:
+    """A step's training reward; NaN where it has none (a step whose rollouts all failed)."""
+    reward = row.get("reward_mean")
+    return float(reward) if isinstance(reward, int | float) else math.nan
+
+
+def _count(value: float | None) -> int | None:
+    return int(value) if value is not None else None
 
 
 def _is_number(value: object) -> bool:

@@ -132,6 +132,11 @@ def _from_module(module: Any, name: str, where: str) -> Task:
     if hasattr(module, "generate_rollout"):
         return _rollout_task(module, module, name, where)
     factory = _env_factory(module, where)
+    if factory is None and callable(getattr(module, "load_problems", None)):  # half of the rollout pair
+        raise UserError(
+            f"{where} has load_problems but no `async def generate_rollout(ctx, problem) -> Rollout` (it "
+            "plays one problem and returns its Rollout; docs/bring-your-own-task.md)"
+        )
     if factory is None:
         raise UserError(f"{where} provides no task: {EXPECTED}")
     return env_task(name, factory, **_optional(module, where))

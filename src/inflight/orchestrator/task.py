@@ -10,6 +10,7 @@ Env adapter and which problem a run trains on at index k; knows nothing of where
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -37,6 +38,12 @@ WarmupReply = Callable[[Any, random.Random], str]
 # (cfg, initial, final) -> extra summary keys; initial/final are evaluations before and after RL.
 Summarize = Callable[[RunConfig, dict[str, float], dict[str, float]], dict[str, Any]]
 
+
+class HookError(UserError):
+    """A task's optional function (`preset`, `warmup_reply`, `summarize`) raised or returned the wrong type:
+    a bug in the task, reported in one line, never counted as a failed rollout (`guard.py` passes it on)."""
+
+
 ENV_TEST_SEED = 1_000_000  # an Env task's test split: the episode seeds `episode_seeds(n, ENV_TEST_SEED)`
 ENV_SPLIT_SIZE = 2**62  # an Env task's splits never run out: len() of its problem sequences
 
@@ -55,10 +62,43 @@ class Task:
 
     def config(self) -> RunConfig:
         """The target's preset, named after the task."""
-        cfg = self.preset()
+        try:
+            cfg = self.preset()
+        except UserError:
+            raise
+        except Exception as e:
+            raise HookError(f"{self.name}: preset() raised {describe(e)}") from None
         if not isinstance(cfg, RunConfig):
-            raise UserError(f"{self.name}: preset() must return a RunConfig, not {type(cfg).__name__}")
+            raise HookError(f"{self.name}: preset() must return a RunConfig, not {type(cfg).__name__}")
         return cfg.model_copy(update={"recipe": self.name})
+
+    def summary_keys(
+        self, cfg: RunConfig, initial: dict[str, float], final: dict[str, float]
+    ) -> dict[str, Any]:
+        """The task's `summarize(cfg, initial, final)` ({} without one), checked: a dict of str keys to
+        values JSON can write (summary.json), else HookError."""
+        if self.summarize is None:
+            return {}
+        try:
+            keys = self.summarize(cfg, initial, final)
+        except UserError:
+            raise
+        except Exception as e:
+            raise HookError(f"{self.name}: summarize(cfg, initial, final) raised {describe(e)}") from None
+        expected = (
+            f"{self.name}: summarize(cfg, initial, final) must return a dict of str keys to JSON values"
+        )
+        if not isinstance(keys, dict):
+            raise HookError(f"{expected}, not a {type(keys).__name__}: {keys!r:.60}")
+        bad = next((k for k in keys if not isinstance(k, str)), None)
+        if bad is not None:
+            raise HookError(f"{expected}; one key is a {type(bad).__name__}: {bad!r:.40}")
+        for key, value in keys.items():
+            try:
+                json.dumps(value, allow_nan=True)
+            except (TypeError, ValueError):
+                raise HookError(f"{expected}; {key!r} is a {type(value).__name__}: {value!r:.40}") from None
+        return keys
 
     def make_env(self, cfg: RunConfig, split: str) -> Environment:
         """An Env task's environment for `split` (see `make_env`)."""
@@ -74,15 +114,25 @@ def make_env(factory: EnvFactory | None, cfg: RunConfig, split: str) -> Environm
     if cfg.env.name:
         named = ENVS.get(cfg.env.name)
         kwargs = checked_env_kwargs(named, cfg.env.kwargs, cfg.env.name)
-        if _takes_split(named):
-            kwargs["split"] = split
-        return make_named_env(cfg.env.name, **kwargs)
+        return make_named_env(cfg.env.name, **_with_split(named, kwargs, split, cfg.env.name))
     if factory is None:
         raise UserError("this task is written with generate_rollout and has no Env: unset env.name")
-    kwargs = checked_env_kwargs(factory, cfg.env.kwargs, getattr(factory, "__name__", "the environment"))
-    if _takes_split(factory):
-        kwargs["split"] = split
-    return factory(**kwargs)
+    name = getattr(factory, "__name__", "the environment")
+    kwargs = checked_env_kwargs(factory, cfg.env.kwargs, name)
+    return factory(**_with_split(factory, kwargs, split, name))
+
+
+def _with_split(factory: EnvFactory | None, kwargs: dict[str, Any], split: str, name: str) -> dict[str, Any]:
+    """`kwargs` with the run's `split` for a constructor that takes one. An env.kwargs.split of its own
+    would be overwritten in every episode (training plays "train", evaluation "test"): refused."""
+    if not _takes_split(factory):
+        return kwargs
+    if "split" in kwargs:
+        raise UserError(
+            f'env.kwargs.split={kwargs["split"]!r:.40}: {name} gets its split from the run ("train" to '
+            'train on, "test" to evaluate on), which would overwrite this one: drop env.kwargs.split'
+        )
+    return {**kwargs, "split": split}
 
 
 def checked_env_kwargs(factory: EnvFactory | None, kwargs: dict[str, Any], name: str) -> dict[str, Any]:
@@ -309,10 +359,10 @@ def load_split(task: Task, split: str) -> Problems:
 def train_problem(problems: Problems, k: int) -> Problem:
     """Problem k of a run (k = step * prompts_per_step + i): the train split in its order, cycling.
 
-    A pure function of k, so a resumed run and both loops draw the same problems. A copy: a rollout may
-    change its problem without changing another's.
+    A pure function of k, so a resumed run and both loops draw the same problems. A deep copy: a rollout
+    may change its problem, nested values too, without changing another's.
     """
-    return dict(problems[k % len(problems)])
+    return copy.deepcopy(problems[k % len(problems)])
 
 
 def env_test_seeds(num_episodes: int) -> list[int]:

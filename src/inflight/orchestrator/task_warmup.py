@@ -23,7 +23,14 @@ from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.rollout_group import sampling_params
 from inflight.orchestrator.stopping import StopRequest
 from inflight.orchestrator.task import Problems, Task, WarmupReply, train_problem
-from inflight.orchestrator.warmup import resume_warmup, save_warmup, train_on_scripted, warmup_trainer
+from inflight.orchestrator.warmup import (
+    checked_reply,
+    resume_warmup,
+    save_warmup,
+    train_on_scripted,
+    warmup_progress,
+    warmup_trainer,
+)
 from inflight.rollouts.api import RolloutContext, scripted_policy
 from inflight.rollouts.chat import ChatFormat
 from inflight.types import Rollout
@@ -45,7 +52,10 @@ async def _scripted_rollouts(
         return lambda transcript: reply(transcript, rng)
 
     async def one(k: int) -> Rollout | None:
-        ctx = RolloutContext(scripted_policy(chat, policy(k)), chat, params, str(k), k, 0, None, cfg)
+        # k is drawn at random (a 30-bit number, also its replies' seed); the rollout's problem index is the
+        # train problem it plays, what a failure's log line names.
+        i = k % len(problems)
+        ctx = RolloutContext(scripted_policy(chat, policy(k)), chat, params, str(k), i, 0, None, cfg)
         return await guard.run(task.generate_rollout, ctx, train_problem(problems, k))
 
     results = await asyncio.gather(*(one(k) for k in indices))
@@ -67,25 +77,27 @@ def task_warmup(
     """cfg.warmup.sft_steps cross-entropy steps on scripted rollouts of train problems drawn at random;
     logged with phase=warmup (unless `logger` is None). Needs the task's `warmup_reply` (`run.check_task`
     says so first). `state_dir` and `stop`: as in `warmup.format_warmup`."""
-    reply = task.warmup_reply
-    if reply is None:
+    if task.warmup_reply is None:
         raise UserError(f"{task.name} has no warmup_reply(transcript, rng): set warmup.sft_steps=0")
+    reply = checked_reply(task.warmup_reply, task.name)
     w = cfg.warmup
     trainer = warmup_trainer(model, pad_id, cfg)
     rng = random.Random(cfg.seed + 7919)
     first = resume_warmup(trainer, state_dir, rng)
     if first is None or first >= w.sft_steps:  # done, or warmup.sft_steps lowered since it stopped
         return {}
-    guard = RolloutGuard(cfg.rollout, w.sft_batch_size, what="warm-up rollouts")
+    guard = RolloutGuard(cfg.rollout, w.sft_batch_size, what="warm-up rollouts", phase="warm-up")
     metrics: dict[str, float] = {}
     step = first
-    for step in range(first, w.sft_steps):
-        indices = [rng.getrandbits(30) for _ in range(w.sft_batch_size)]
-        rollouts = asyncio.run(_scripted_rollouts(task, problems, chat, reply, indices, cfg, guard))
-        guard.check()
-        if rollouts:
-            metrics = train_on_scripted(trainer, rollouts, cfg, logger, step)
-        if stop is not None and stop.is_set():
-            break
+    with warmup_progress(cfg) as progress:
+        for step in range(first, w.sft_steps):
+            indices = [rng.getrandbits(30) for _ in range(w.sft_batch_size)]
+            rollouts = asyncio.run(_scripted_rollouts(task, problems, chat, reply, indices, cfg, guard))
+            guard.check()
+            if rollouts:
+                metrics = train_on_scripted(trainer, rollouts, cfg, logger, step)
+            progress.update(step + 1, metrics.get("reward_mean") if rollouts else None)
+            if stop is not None and stop.is_set():
+                break
     save_warmup(trainer, state_dir, step + 1, w.sft_steps, rng)
     return metrics

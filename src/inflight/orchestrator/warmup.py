@@ -25,9 +25,11 @@ import torch
 
 from inflight.config import RunConfig
 from inflight.envs.base import Environment
-from inflight.errors import UserError
+from inflight.errors import UserError, describe
 from inflight.metrics.logger import MetricsLogger
+from inflight.metrics.progress import StepProgress
 from inflight.orchestrator.stopping import StopRequest
+from inflight.orchestrator.task import HookError
 from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import run_scripted_episode
 from inflight.trainer import LossConfig, Trainer, TrainerConfig
@@ -107,6 +109,36 @@ def train_on_scripted(
     return metrics
 
 
+def warmup_progress(cfg: RunConfig) -> StepProgress:
+    """The warm-up's progress, shown as the training's is (`cfg.progress`): a long warm-up is not silent."""
+    title = f"{cfg.recipe} (warm-up)"
+    return StepProgress(
+        cfg.warmup.sft_steps, title, enabled=cfg.progress, every_steps=cfg.metrics.print_every_steps
+    )
+
+
+def checked_reply(reply: WarmupReply, owner: str) -> WarmupReply:
+    """`reply` (`owner`'s warmup_reply), a failure of it made one line naming it (HookError): a scripted
+    reply that raises, or is not a str (None failed deep in the tokenizer), is a bug in the task, not a
+    rollout to count."""
+
+    def checked(seen: Any, rng: random.Random) -> str:
+        try:
+            text = reply(seen, rng)
+        except UserError:  # already one line (`random_legal_reply`'s)
+            raise
+        except Exception as e:
+            raise HookError(f"{owner}: warmup_reply(seen, rng) raised {describe(e)}") from None
+        if not isinstance(text, str):
+            raise HookError(
+                f"{owner}: warmup_reply(seen, rng) must return the reply as a str, not a "
+                f"{type(text).__name__} ({text!r:.40})"
+            )
+        return text
+
+    return checked
+
+
 def random_legal_reply(obs: Any, rng: random.Random) -> str:
     """One of `obs.legal_actions`, uniformly: the replies of an environment with a fixed action menu."""
     legal = getattr(obs, "legal_actions", None)
@@ -139,9 +171,10 @@ def format_warmup(
     """cfg.warmup.sft_steps cross-entropy steps on scripted episodes; logged with phase=warmup (unless
     `logger` is None).
 
-    `warmup_reply` overrides the environment's replies (e.g. a recipe's own reply generator). `state_dir`
-    (RUN_DIR/warmup): where the warm-up's state is saved and continued from (see the module docstring).
-    `stop`, once set, ends it after the step in flight (the state saved); `warmup_steps_done` tells.
+    `warmup_reply` overrides the environment's replies (e.g. a recipe's own reply generator; pass it
+    through `checked_reply`, naming its task). `state_dir` (RUN_DIR/warmup): where the warm-up's state is
+    saved and continued from (see the module docstring). `stop`, once set, ends it after the step in
+    flight (the state saved); `warmup_steps_done` tells. Its progress shows as the training's does.
     """
     w = cfg.warmup
     trainer = warmup_trainer(model, pad_id, cfg)
@@ -152,20 +185,22 @@ def format_warmup(
     if first is None or first >= w.sft_steps:  # done, or warmup.sft_steps lowered since it stopped
         return {}
     env = make_env()
-    reply = warmup_reply or env_warmup_reply(env)
+    reply = warmup_reply or checked_reply(env_warmup_reply(env), type(env).__name__)
 
     def policy(obs: Any) -> str:
         return reply(obs, rng)
 
     metrics: dict[str, float] = {}
     step = first
-    for step in range(first, w.sft_steps):
-        starts = [rng.getrandbits(62) for _ in range(-(-w.sft_batch_size // w.sft_group_size))]
-        seeds = [s for s in starts for _ in range(w.sft_group_size)][: w.sft_batch_size]
-        rollouts = [run_scripted_episode(env, s, policy, chat, cfg.grpo.max_turns) for s in seeds]
-        metrics = train_on_scripted(trainer, rollouts, cfg, logger, step)
-        if stop is not None and stop.is_set():
-            break
+    with warmup_progress(cfg) as progress:
+        for step in range(first, w.sft_steps):
+            starts = [rng.getrandbits(62) for _ in range(-(-w.sft_batch_size // w.sft_group_size))]
+            seeds = [s for s in starts for _ in range(w.sft_group_size)][: w.sft_batch_size]
+            rollouts = [run_scripted_episode(env, s, policy, chat, cfg.grpo.max_turns) for s in seeds]
+            metrics = train_on_scripted(trainer, rollouts, cfg, logger, step)
+            progress.update(step + 1, metrics["reward_mean"])
+            if stop is not None and stop.is_set():
+                break
     env.close()
     save_warmup(trainer, state_dir, step + 1, w.sft_steps, rng)
     return metrics

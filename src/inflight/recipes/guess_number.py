@@ -56,7 +56,8 @@ async def generate_rollout(ctx: RolloutContext, problem: dict[str, Any]) -> Roll
     chat = ctx.chat()
     chat.user(INTRO)
     lo, hi, found, format_errors = LOW, HIGH, False, 0
-    for _ in range(MAX_GUESSES):
+    # grpo.max_turns (its preset: MAX_GUESSES) may shorten the game, never lengthen it.
+    for _ in range(min(MAX_GUESSES, ctx.max_turns or MAX_GUESSES)):
         match = _NUMBER.match(await chat.assistant())
         if match is None:
             format_errors = 1

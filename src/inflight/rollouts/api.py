@@ -14,12 +14,14 @@ rollout in flight. `ctx` gives the policy at two levels:
   policy's tokens are trained on and everything else is masked out.
 
 Sampling seeds are derived from (ctx.sampling_seed, ctx.problem_index, ctx.sample_index, turn), so a
-rollout's tokens depend only on the weights, not on what else the engine batches with it.
+rollout's tokens depend only on the weights, not on what else the engine batches with it. A rollout takes
+at most `ctx.max_turns` (grpo.max_turns) policy turns: asking for one more fails it (`TurnLimitError`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,6 +30,10 @@ from inflight.rollouts.chat import ChatFormat
 from inflight.types import Completion, FinishReason, Rollout, SampleRequest, SamplingParams
 
 GenerateFn = Callable[[SampleRequest], Awaitable[Completion]]
+
+
+class TurnLimitError(RuntimeError):
+    """A rollout asked the policy for a turn past grpo.max_turns: that rollout fails (the guard counts it)."""
 
 
 class RolloutTask(Protocol):
@@ -57,6 +63,12 @@ class RolloutContext:
     def tokenizer(self) -> Any:
         return self.chat_format.tokenizer
 
+    @property
+    def max_turns(self) -> int | None:
+        """`grpo.max_turns`: the most policy turns (`generate` calls, `assistant` replies) this rollout may
+        take, so that a task can end its loop in time; None without a config (a context built by hand)."""
+        return None if self.config is None else int(self.config.grpo.max_turns)
+
     def turn_params(self, params: SamplingParams | None = None) -> SamplingParams:
         """`params` (default: the run's) with this turn's seed; advances the turn counter."""
         params = params or self.params
@@ -73,6 +85,14 @@ class RolloutContext:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> Completion:
         """Token-level policy call (seeded like every other turn of this rollout)."""
+        # An Env episode past grpo.max_turns ends with the reward of its last observation; a rollout function
+        # cannot be ended from outside, so the turn it asks for beyond the bound fails it, naming the key.
+        limit = self.max_turns
+        if limit is not None and self._turn >= limit:
+            raise TurnLimitError(
+                f"the rollout asked for assistant turn {self._turn + 1}; grpo.max_turns={limit}: end the "
+                "rollout's loop after ctx.max_turns turns, or raise grpo.max_turns"
+            )
         return await self.generate_fn(SampleRequest(list(prompt_token_ids), self.turn_params(params)))
 
     def chat(self, system_prompt: str | None = None) -> ChatSession:
@@ -126,7 +146,7 @@ class ChatSession:
             loss_mask=list(self.loss_mask),
             logprobs=list(self.logprobs),
             versions=list(self.versions),
-            reward=float(reward),
+            reward=_plain_number(reward),
             group_id=self.ctx.group_id,
             finish_reason=self.finish_reason,
             metrics={"turns": float(self.turns), **(metrics or {})},
@@ -137,6 +157,17 @@ class ChatSession:
         self.loss_mask += mask
         self.logprobs += logprobs
         self.versions += versions
+
+
+def _plain_number(value: Any) -> Any:
+    """A 0-dim tensor or array (a torch or numpy scalar) as its Python number; anything else as it is. The
+    guard (`orchestrator/guard.py`) takes numbers and fails a rollout whose reward is not one (a str, None)
+    with a message naming its type; a float() here would read "1.0" as a reward and turn None into an
+    unclear TypeError."""
+    if isinstance(value, numbers.Real):
+        return value
+    item = getattr(value, "item", None)
+    return item() if callable(item) and getattr(value, "ndim", None) == 0 else value
 
 
 def scripted_policy(chat_format: ChatFormat, reply: Callable[[str], str]) -> GenerateFn:

@@ -215,8 +215,13 @@ def _check_kind(path: Path, lora_rank: int) -> None:
     raise UserError(f"no checkpoint at {path} (expected {expected} there)")
 
 
+class OtherModelError(UserError):
+    """A full-model checkpoint whose tensors (names or shapes) are not the model's: it was trained from
+    another model. Its own type, so that a caller knowing which key chose the model can name that key."""
+
+
 def _check_same_model(model: torch.nn.Module, path: Path) -> None:
-    """UserError when the full-model checkpoint at `path` holds other tensors (names or shapes) than
+    """OtherModelError when the full-model checkpoint at `path` holds other tensors (names or shapes) than
     `model`: it was trained from another model. Reads only the safetensors header."""
     ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     with safe_open(str(path / WEIGHTS), "pt") as f:
@@ -230,7 +235,7 @@ def _check_same_model(model: torch.nn.Module, path: Path) -> None:
     if differ:
         example = differ[0]
         shapes = f" {theirs.get(example, 'absent')} there, {ours.get(example, 'absent')} here"
-        raise UserError(
+        raise OtherModelError(
             f"checkpoint {path} was trained from a different model ({len(differ)} of its tensors differ, "
             f"e.g. {example}:{shapes}): resume with the run's own model.path, or move {path} away"
         )
