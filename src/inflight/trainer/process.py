@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.connection
+import multiprocessing.resource_tracker
+import multiprocessing.util
 import os
 import signal
 import time
@@ -43,6 +45,11 @@ _CALLS = frozenset(
 )
 _START_TIMEOUT_S = 300.0  # spawning the interpreter and importing torch (seconds on a quiet machine)
 _POLL_S = 0.5  # how often a wait checks that the child is still alive
+# A stop asked of the run: Ctrl-C, and SIGTERM from `timeout`, Slurm's scancel or `kill -- -PGID`, reach the
+# whole process group. The parent coordinates the stop (orchestrator/stopping.py), whose last checkpoint is
+# a call to this child; signalled too, the child would die first. The child ends when the parent asks or
+# when the pipe's other end closes (the parent died).
+_GROUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 SHARED_MEMORY_DIR = "/dev/shm"  # where torch's file_descriptor strategy puts shared tensors on Linux
@@ -121,10 +128,24 @@ class TrainerProcess:
             target=_serve,
             args=(model, config, pad_id, threads, cpus, child_conn),
             name="inflight-trainer",
-            daemon=True,  # never outlives this process
+            daemon=True,
         )
-        self._process.start()
+        # Blocked from the fork until the child ignores them (`_serve`): a stop during the child's start (its
+        # interpreter, torch's import) cannot kill it; this process takes the signal when it unblocks it
+        # here, the child drops it (multiprocessing starts its resource tracker so). That tracker first:
+        # starting it unblocks both signals outright instead of restoring the mask.
+        multiprocessing.resource_tracker.ensure_running()
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
+        try:
+            self._process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         child_conn.close()
+        # At exit, before multiprocessing's own clean-up: its terminate() (a SIGTERM) no longer ends the
+        # child, and its join() would then wait on a child that waits on this process's pipe.
+        self._stop = multiprocessing.util.Finalize(
+            self, _stop_child, args=(self._process, self._conn), exitpriority=0
+        )
         try:
             self._wait("start", _START_TIMEOUT_S)
         except BaseException:  # the Trainer could not be built there (its error is raised): no child left
@@ -200,20 +221,27 @@ class TrainerProcess:
 
     def close(self) -> None:
         """Stop the child (it finishes the call it is in, if any, within a few seconds, or is killed)."""
-        if self._process.is_alive():
-            with contextlib.suppress(OSError):
-                self._conn.send(None)
-            self._process.join(timeout=5.0)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join(timeout=5.0)
-        self._conn.close()
+        self._stop()
 
     def __enter__(self) -> TrainerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stop_child(
+    process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection
+) -> None:
+    """`TrainerProcess.close`, without the object: also what runs at exit for one never closed."""
+    if process.is_alive():
+        with contextlib.suppress(OSError):
+            conn.send(None)
+        process.join(timeout=5.0)
+        if process.is_alive():
+            process.kill()  # SIGKILL: the child ignores SIGTERM
+            process.join(timeout=5.0)
+    conn.close()
 
 
 def _serve(
@@ -225,9 +253,9 @@ def _serve(
     conn: multiprocessing.connection.Connection,
 ) -> None:
     """The child: build the Trainer over the shared model, then answer calls until told to stop."""
-    # Ctrl-C reaches the whole process group: the parent shuts the run down (its last checkpoint is a call
-    # to this child) and then stops the child; interrupted here, the child would die first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in _GROUP_SIGNALS:  # the parent stops this child (see _GROUP_SIGNALS)
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)  # blocked since the fork: pending ones drop
     try:
         if cpus is not None:
             os.sched_setaffinity(0, cpus)  # before torch's threads start: they inherit it
