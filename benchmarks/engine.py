@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from benchmarks import at_least
+from inflight.preflight import check_model_dir
+
 if TYPE_CHECKING:
     from inflight.inference.engine import Engine
     from inflight.inference.http_engine import HttpEngine
@@ -78,15 +81,15 @@ def _start_vllm(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each, best kept")
-    parser.add_argument("--top-k", type=int, default=0, help="applied to all (0 = off)")
+    parser = argparse.ArgumentParser(prog="inflight bench engine", description=__doc__)
+    parser.add_argument("--batch-size", type=at_least(1), default=64)
+    parser.add_argument("--new-tokens", type=at_least(1), default=32)
+    parser.add_argument("--prompt-tokens", type=at_least(1), default=16)
+    parser.add_argument("--repeats", type=at_least(1), default=5, help="timed runs of each, best kept")
+    parser.add_argument("--top-k", type=at_least(0), default=0, help="applied to all (0 = off)")
     parser.add_argument(
         "--threads",
-        type=int,
+        type=at_least(1),
         default=None,
         help="torch threads, and the vLLM server's with --backend vllm (default: torch's, one per core)",
     )
@@ -102,20 +105,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
     parser.add_argument(
         "--vocab-size",
-        type=int,
+        type=at_least(2),
         default=None,
         help="the tiny preset's shape with this many tokens (random weights; not with --model)",
     )
-    parser.add_argument("--adapters", type=int, default=8, help="multi-LoRA case: adapters")
+    parser.add_argument("--adapters", type=at_least(1), default=8, help="multi-LoRA case: adapters")
     parser.add_argument(
-        "--adapter-requests", type=int, default=8, help="multi-LoRA case: requests per adapter"
+        "--adapter-requests", type=at_least(1), default=8, help="multi-LoRA case: requests per adapter"
     )
-    parser.add_argument("--lora-rank", type=int, default=8, help="multi-LoRA case: rank (attention and MLP)")
+    parser.add_argument(
+        "--lora-rank", type=at_least(1), default=8, help="multi-LoRA case: rank (attention and MLP)"
+    )
     args = parser.parse_args(argv)
     if args.backend == "vllm" and args.dtype != "float32":
         parser.error("--backend vllm runs float32 (serve-engine's vLLM dtype): drop --dtype")
-    if args.vocab_size is not None and (args.model or args.backend == "vllm" or args.vocab_size < 2):
-        parser.error("--vocab-size (at least 2) builds a model in memory: not with --model or --backend vllm")
+    if args.vocab_size is not None and (args.model or args.backend == "vllm"):
+        parser.error("--vocab-size builds a model in memory: not with --model or --backend vllm")
+    if args.model:
+        check_model_dir(args.model)  # what `inflight run` checks: one line for a path that holds no model
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
+from benchmarks import at_least
 from inflight.config import GRPOConfig, RunConfig, SamplingConfig
 from inflight.envs.base import Environment, State, TextAction, TextObservation
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.setup import build_engine, build_trainer, load_policy
 from inflight.orchestrator.sync_loop import LoopParts, train
 from inflight.orchestrator.task import env_task, load_split
+from inflight.preflight import check_model_dir
 from inflight.rollouts.chat import ChatFormat
 from inflight.trainer import LossConfig, TrainerConfig
 
@@ -46,12 +48,16 @@ class DistinctCharsEnv(Environment[TextAction, TextObservation, State]):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflight bench grpo", description=__doc__)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5, help="measured steps (after one warm-up step)")
+    parser.add_argument("--prompts", type=at_least(1), default=8)
+    parser.add_argument("--samples", type=at_least(2), default=8)
+    parser.add_argument("--new-tokens", type=at_least(1), default=32)
+    parser.add_argument(
+        "--steps", type=at_least(1), default=5, help="measured steps (after one warm-up step)"
+    )
     parser.add_argument("--model", default=None, help="model dir or hub id (default: the tiny preset)")
     args = parser.parse_args(argv)
+    if args.model:
+        check_model_dir(args.model)  # what `inflight run` checks: one line for a path that holds no model
 
     with tempfile.TemporaryDirectory(prefix="inflight-bench-grpo-") as tmp:
         cfg = RunConfig(

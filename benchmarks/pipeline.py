@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import at_least
 from inflight.config import GRPOConfig, PipelineConfig, RunConfig, SamplingConfig
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.pipeline import run_pipeline
@@ -252,11 +253,13 @@ def ray_pair(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflight bench pipeline", description=__doc__)
-    parser.add_argument("--steps", type=int, default=30, help="training steps per side")
+    parser.add_argument("--steps", type=at_least(1), default=30, help="training steps per side")
     parser.add_argument(
-        "--warmup-steps", type=int, default=100, help="BlackJack warm-up (shared by both sides)"
+        "--warmup-steps", type=at_least(0), default=100, help="BlackJack warm-up (shared by both sides)"
     )
-    parser.add_argument("--max-staleness", type=int, default=2, help="the async side's max_staleness_steps")
+    parser.add_argument(
+        "--max-staleness", type=at_least(0), default=2, help="the async side's max_staleness_steps"
+    )
     parser.add_argument(
         "--only",
         choices=["blackjack", "latency", "ray"],
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--rollout-workers",
-        type=int,
+        type=at_least(0),
         default=0,
         help="with --only ray: the Ray side plays its groups in this many rollout worker actors "
         "(ray.num_rollout_workers; 0: on the run's actor)",
@@ -273,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.rollout_workers and args.only != "ray":
         parser.error("--rollout-workers goes with --only ray")
+    if args.only == "ray" and args.steps < 3:
+        parser.error("--only ray times the steps after the second: give --steps 3 or more")
     result: dict[str, Any] = {
         "benchmark": "pipeline",
         "steps": args.steps,

@@ -19,6 +19,8 @@ import os
 import statistics
 import time
 
+from benchmarks import at_least
+
 SNIPPET = "assert sum(range(10)) == 45\nprint('ok')"
 
 
@@ -67,11 +69,15 @@ def _one_at_a_time_ms(run: object, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="inflight bench sandbox",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--jobs", type=int, default=160, help="executions per mode through the pool")
-    parser.add_argument("--concurrency", type=int, default=8, help="pool workers and asyncio clients")
-    parser.add_argument("--sequential", type=int, default=20, help="one-at-a-time executions per mode")
+    parser.add_argument("--jobs", type=at_least(1), default=160, help="executions per mode through the pool")
+    parser.add_argument("--concurrency", type=at_least(1), default=8, help="pool workers and asyncio clients")
+    parser.add_argument(
+        "--sequential", type=at_least(1), default=20, help="one-at-a-time executions per mode"
+    )
     args = parser.parse_args(argv)
 
     from inflight.envs.sandbox import bwrap_problem, detect_isolation, detect_memory_bound, run_python

@@ -45,6 +45,8 @@ from typing import Any, cast, get_args
 
 import torch
 
+from benchmarks import at_least
+from inflight.preflight import check_model_dir
 from inflight.types import DtypeName
 
 
@@ -69,15 +71,15 @@ def _check(results: list) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflight bench serve", description=__doc__)
-    parser.add_argument("--adapters", type=int, default=8, help="adapters, one job each")
-    parser.add_argument("--datums", type=int, default=2, help="datums per forward_backward job")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per datum")
-    parser.add_argument("--rank", type=int, default=32, help="LoRA rank of every adapter")
-    parser.add_argument("--samples", type=int, default=4, help="sequences per sampling job")
-    parser.add_argument("--sample-tokens", type=int, default=16, help="tokens generated per sequence")
+    parser.add_argument("--adapters", type=at_least(1), default=8, help="adapters, one job each")
+    parser.add_argument("--datums", type=at_least(1), default=2, help="datums per forward_backward job")
+    parser.add_argument("--tokens", type=at_least(1), default=64, help="tokens per datum")
+    parser.add_argument("--rank", type=at_least(1), default=32, help="LoRA rank of every adapter")
+    parser.add_argument("--samples", type=at_least(1), default=4, help="sequences per sampling job")
+    parser.add_argument("--sample-tokens", type=at_least(1), default=16, help="tokens generated per sequence")
     parser.add_argument(
         "--max-batch-tokens",
-        type=int,
+        type=at_least(1),
         default=None,
         help="engine micro-batch (padded tokens); default: the engine's",
     )
@@ -87,10 +89,15 @@ def main(argv: list[str] | None = None) -> dict:
         default="auto",
         help="base weights, as `inflight serve --dtype` (default: the service's, auto)",
     )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument(
-        "--api-requests", type=int, default=10, help="timed requests through the API (0 = skip the API part)"
+        "--threads", type=at_least(1), default=None, help="torch threads (default: torch's choice)"
+    )
+    parser.add_argument(
+        "--api-requests",
+        type=at_least(0),
+        default=10,
+        help="timed requests through the API (0 = skip the API part)",
     )
     parser.add_argument(
         "--api-server",
@@ -100,19 +107,21 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--checkpoint-round-trips",
-        type=int,
+        type=at_least(0),
         default=3,
         help="timed checkpoint round trips (save, download, load into peft) through the API (0 = skip)",
     )
     parser.add_argument(
         "--queue-history",
-        type=int,
+        type=at_least(0),
         default=0,
         help="also time the futures queue's claim (SQLite) after this many earlier requests of one model "
         "against a fresh queue: claim_ms_fresh, claim_ms_after_history (0 = skip)",
     )
     parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
     args = parser.parse_args(argv)
+    if args.model:
+        check_model_dir(args.model)  # what `inflight run` checks: one line for a path that holds no model
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 

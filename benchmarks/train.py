@@ -43,9 +43,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from benchmarks import at_least
 from inflight.config import apply_overrides
 from inflight.envs.blackjack import BlackJackEnv
 from inflight.orchestrator.setup import build_trainer, load_policy, pad_id
+from inflight.preflight import check_model_dir
 from inflight.recipes.blackjack import preset
 from inflight.rollouts.chat import ChatFormat
 from inflight.rollouts.episodes import run_scripted_episode
@@ -139,9 +141,15 @@ def timed(step: Callable[[], object], repeats: int) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflight bench train", description=__doc__)
-    parser.add_argument("--samples", type=int, default=128, help="samples per step (make run: 16 x 8)")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per side, after 2 warm-up")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two sides; median taken")
+    parser.add_argument(
+        "--samples", type=at_least(1), default=128, help="samples per step (make run: 16 x 8)"
+    )
+    parser.add_argument(
+        "--steps", type=at_least(1), default=10, help="measured steps per side, after 2 warm-up"
+    )
+    parser.add_argument(
+        "--rounds", type=at_least(1), default=3, help="alternations of the two sides; median taken"
+    )
     parser.add_argument("--peak-gflops", type=float, default=None, help="the CPU's peak (default: lscpu)")
     parser.add_argument(
         "--beside-busy", action="store_true", help="also measure beside a CPU-burning neighbour process"
@@ -151,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
         "set", nargs="*", help="key=value overrides of the recipe (e.g. trainer.autocast_bf16=true)"
     )
     args = parser.parse_args(argv)
+    if args.model:
+        check_model_dir(args.model)  # what `inflight run` checks: one line for a path that holds no model
 
     cfg = apply_overrides(preset(), args.set)
     if args.model:

@@ -35,8 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from benchmarks import at_least
 from benchmarks.trl_task import prompt, reward
-from inflight.launch.venv_cache import VenvBuildError, cached_venv, run_step
+from inflight.launch.venv_cache import VenvBuildError, VenvLocationError, cached_venv, run_step
 
 TRL_VERSION = "1.16.0"
 # torch first and alone: pip takes the local CPU wheel and, with the constraint, never replaces it with a
@@ -57,10 +58,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="inflight bench trl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=30, help="training steps per side")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    parser.add_argument("--samples", type=int, default=8, help="samples per prompt (the group)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="generated tokens per sample, at most")
+    parser.add_argument("--steps", type=at_least(1), default=30, help="training steps per side")
+    parser.add_argument("--prompts", type=at_least(1), default=8, help="prompts per step")
+    parser.add_argument("--samples", type=at_least(2), default=8, help="samples per prompt (the group)")
+    parser.add_argument(
+        "--new-tokens", type=at_least(1), default=32, help="generated tokens per sample, at most"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--sides", default="async,sync,trl", help="comma-separated subset of async,sync,trl")
     parser.add_argument("--run-dir", help="where the model, logs and result go (default runs/bench-trl-TIME)")
@@ -100,6 +103,11 @@ def trl_python(env: Path, version: str) -> Path:
 
     try:
         return cached_venv(env, lambda directory: _build_trl_env(directory, version))
+    except VenvLocationError as e:
+        raise UserError(
+            f"{env} cannot hold TRL's environment ({e}): name a new or empty directory you can write "
+            "with --trl-env"
+        ) from None
     except VenvBuildError as e:
         raise UserError(f"cannot install trl=={version} into {env}: {e}") from None
 

@@ -21,6 +21,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import trl
+from benchmarks import at_least
 from benchmarks.trl_task import prompt, reward
 from trl import GRPOConfig, GRPOTrainer
 
@@ -71,10 +72,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--prompts", type=int, required=True)
-    parser.add_argument("--samples", type=int, required=True)
-    parser.add_argument("--new-tokens", type=int, required=True)
+    parser.add_argument("--steps", type=at_least(1), required=True)
+    parser.add_argument("--prompts", type=at_least(1), required=True)
+    parser.add_argument("--samples", type=at_least(2), required=True)
+    parser.add_argument("--new-tokens", type=at_least(1), required=True)
     parser.add_argument("--lr", type=float, required=True)
     args = parser.parse_args()
     out = Path(args.out)

@@ -49,6 +49,7 @@ from inflight.errors import UserError
 from inflight.inference.adapter_files import write_adapter_dir
 from inflight.inference.adapters import ModuleShapes, parse_adapter
 from inflight.inference.builtin import EngineMetrics, UpdateRecord
+from inflight.inference.scratch import ScratchDirectory
 from inflight.models.lora_adapter import peft_key
 from inflight.types import AdapterUpdate, Completion, FinishReason, SampleRequest, WeightUpdate
 
@@ -68,8 +69,8 @@ class VllmEngineConfig(BaseModel):
     max_prompt_logprobs: int = Field(default=20, ge=0)  # vLLM's max_logprobs
     # The one kind of logprobs this engine reports under any sampling (see the module docstring).
     logprobs_kind: Literal["sampled", "raw"] = "sampled"
-    # Weight updates and adapters are written here for vLLM to read; default: a fresh directory in
-    # /dev/shm (memory) where it exists.
+    # Weight updates and adapters are written here for vLLM to read, in a fresh directory of this process's
+    # (`ScratchDirectory`); default: in /dev/shm (memory) where it exists.
     scratch_dir: str | None = None
 
 
@@ -117,14 +118,13 @@ class VllmEngine:
         # transformers' default is True; Qwen2 configs say False explicitly when untied.
         self._tied = bool(hf_config.get("tie_word_embeddings", True))
         self._param_shapes = _checkpoint_shapes(self._model_dir)
-        shm = Path("/dev/shm")
-        self._scratch = Path(
-            tempfile.mkdtemp(
-                prefix="inflight-vllm-",
-                dir=self.config.scratch_dir or (str(shm) if shm.is_dir() else None),
-            )
-        )
-        self._engine = self._start_vllm()
+        self._scratch_dir = ScratchDirectory(self.config.scratch_dir)
+        self._scratch = self._scratch_dir.path
+        try:
+            self._engine = self._start_vllm()
+        except BaseException:
+            self._scratch_dir.close()
+            raise
         self._lora_targets = LORA_TARGETS + (("lm_head",) if self._adapts_lm_head() else ())
         self._lora_shapes: ModuleShapes = {
             name.removesuffix(".weight"): (shape[1], shape[0])
@@ -381,7 +381,7 @@ class VllmEngine:
             )
 
     def close(self) -> None:
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        self._scratch_dir.close()
 
     # -- internals -----------------------------------------------------------------------------------
     def _check(self, request: SampleRequest) -> None:

