@@ -564,3 +564,44 @@ def test_inflight_run_trains_on_a_remote_openenv_server(
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["phase"] == "train"] == [0, 1]
     assert all(r["rollout_errors"] == 0 for r in rows if r["phase"] == "train")
+
+
+def test_remote_observations_read_their_fields_as_attributes() -> None:
+    """Task code reads `obs.legal_actions` of a local observation: a remote one reads the same way, its own
+    attributes first, and a field it lacks is an AttributeError as it would be locally."""
+    from inflight.envs.openenv_client import RemoteObservation
+
+    fields = {"legal_actions": ["hit", "stand"], "player_total": 13, "prompt": "sent", "done": True}
+    obs = RemoteObservation(prompt="Your total is 13.", fields=fields)
+    assert (obs.legal_actions, obs.player_total) == (["hit", "stand"], 13)
+    assert (obs.prompt, obs.done) == ("Your total is 13.", False)  # the client's, not the fields'
+    assert getattr(obs, "outcome", None) is None and not hasattr(obs, "outcome")
+    with pytest.raises(AttributeError, match="outcome"):
+        _ = obs.outcome
+    assert obs.model_copy().legal_actions == ["hit", "stand"]
+
+
+def test_the_documented_run_on_a_served_recipe_env_warms_up_and_trains(
+    blackjack_url: str, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/environments.md: `inflight env serve blackjack` then `inflight run blackjack
+    env.name=openenv:URL`, a few steps. The recipe's warm-up plays the remote env with its legal actions
+    (`obs.legal_actions`, sent among the observation's fields), as it does the local one."""
+    from inflight.cli import main
+
+    argv = ["run", "blackjack", f"env.name=openenv:{blackjack_url}", f"model.path={tiny_model_dir}"]
+    argv += ["progress=false", "warmup.sft_steps=2", "grpo.steps=2", "grpo.prompts_per_step=2"]
+    argv += [
+        "grpo.group_size=2",
+        "eval.num_episodes=4",
+        "eval.num_episodes_sampled=0",
+        "--run-dir",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["recipe"], summary["steps"], summary["stopped"]) == ("blackjack", 2, None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "warmup"] == [0, 1]
+    assert [r["step"] for r in rows if r["phase"] == "train"] == [0, 1]
+    assert all(r["rollout_errors"] == 0 for r in rows if r["phase"] == "train")

@@ -158,6 +158,40 @@ def _seconds(text: str) -> float:
 
 
 def _cmd_serve_engine(args: argparse.Namespace) -> int:
+    from inflight.inference.access import check_engine_listening, engine_api_keys
+    from inflight.preflight import check_port
+
+    # Before the server's imports (torch: seconds): these refusals are instant.
+    api_keys = engine_api_keys(args.api_key)
+    check_engine_listening(args.host, api_keys, args.weights_dir)
+    check_port(args.port)
+    for flag, value, least in [
+        ("--max-batch-size", args.max_batch_size, 1),
+        ("--max-seq-len-tokens", args.max_seq_len_tokens, 2),  # a prompt token and a generated one
+        ("--max-lora-rank", args.max_lora_rank, 1),
+        ("--max-logprobs", args.max_logprobs, 0),
+    ]:
+        if value is not None and value < least:
+            raise UserError(f"{flag} must be >= {least}, got {value}")
+    if args.weights_dir is not None and not Path(args.weights_dir).expanduser().is_dir():
+        raise UserError(
+            f"--weights-dir {args.weights_dir} is not a directory: create it (updates by path are read from "
+            "it), or leave --weights-dir out"
+        )
+    # Options one backend reads and the other would ignore. Their parser default is None, so that one given
+    # with the other backend is refused rather than dropped without a word; serve() holds the defaults.
+    backend_only = {
+        "builtin": ("kv_policy", "device"),
+        "vllm": ("logprobs_kind", "max_lora_rank", "max_logprobs"),
+    }
+    given = {name: getattr(args, name) for names in backend_only.values() for name in names}
+    for backend, names in backend_only.items():
+        for name in names:
+            if given[name] is not None and args.backend != backend:
+                raise UserError(
+                    f"--{name.replace('_', '-')} is for --backend {backend} only: drop it, or serve with "
+                    f"--backend {backend}"
+                )
     from inflight.inference.server import serve
 
     serve(
@@ -166,23 +200,30 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
         port=args.port,
         max_batch_size=args.max_batch_size,
         backend=args.backend,
-        kv_policy=args.kv_policy,
         max_seq_len_tokens=args.max_seq_len_tokens,
-        device=args.device,
-        logprobs_kind=args.logprobs_kind,
-        max_lora_rank=args.max_lora_rank,
-        max_logprobs=args.max_logprobs,
         weights_dir=args.weights_dir,
         parent_pid=args.parent_pid,
+        api_keys=api_keys,
+        **{name: value for name, value in given.items() if value is not None},
     )
     return 0
 
 
 def _cmd_env_serve(args: argparse.Namespace) -> int:
-    from inflight.envs.openenv_server import OpenEnvServerConfig, serve
+    from inflight.envs.openenv_server import OpenEnvServerConfig, check_env_listening, env_api_keys, serve
+    from inflight.preflight import check_port
 
+    # Before openenv-core's import (seconds): these refusals are instant.
+    api_keys = env_api_keys(args.api_key)
+    check_env_listening(args.host, api_keys)
+    check_port(args.port)
+    if args.max_sessions < 1:
+        raise UserError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     serve(
-        args.name, host=args.host, port=args.port, config=OpenEnvServerConfig(max_sessions=args.max_sessions)
+        args.name,
+        host=args.host,
+        port=args.port,
+        config=OpenEnvServerConfig(max_sessions=args.max_sessions, api_keys=api_keys),
     )
     return 0
 
@@ -314,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_engine = sub.add_parser(
         "serve-engine",
         help="an inference engine behind HTTP (OpenAI-compatible + token-level generate + weight updates)",
+        description="Serve one model's engine over HTTP: /v1/completions and /v1/chat/completions "
+        "(OpenAI's shapes), /generate, /update_weights, /health; the pipeline's replicas "
+        "(pipeline.engine_urls). Beyond loopback it needs an API key and --weights-dir (docs/security.md). "
+        "Bad input is one line on stderr and exit code 2.",
     )
     serve_engine.add_argument("--model", required=True, help="model directory or hub id")
     serve_engine.add_argument(
@@ -324,49 +369,59 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_engine.add_argument("--host", default="127.0.0.1")
     serve_engine.add_argument("--port", type=int, default=8100)
+    serve_engine.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted X-API-Key (repeatable; also a bearer token on /v1/* and /metrics); without one, the "
+        "key in $INFLIGHT_ENGINE_API_KEY (which the pipeline's clients send), else none, and then the server "
+        "only listens on loopback. Every route but /health needs it",
+    )
     serve_engine.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
     serve_engine.add_argument(
         "--device",
-        default="cpu",
-        help="the built-in engine's device: cpu, cuda, cuda:N, or auto (cuda when there is one)",
+        default=None,
+        help="built-in engine only: its device, cpu, cuda, cuda:N, or auto (cuda when there is one; "
+        "default cpu)",
     )
     serve_engine.add_argument(
         "--kv-policy",
         choices=["keep", "recompute"],
-        default="keep",
-        help="on a weight update, sequences in flight keep their cache or re-prefill it with the new weights",
+        default=None,
+        help="built-in engine only: on a weight update, sequences in flight keep their cache or re-prefill "
+        "it with the new weights (default keep)",
     )
     serve_engine.add_argument(
         "--max-seq-len-tokens",
         type=int,
         default=None,
-        help="prompt + completion (default: model limit, <=1024)",
+        help="prompt + completion, at most the model's positions (default: model limit, <=1024)",
     )
     serve_engine.add_argument(
         "--logprobs-kind",
         choices=["sampled", "raw"],
-        default="sampled",
+        default=None,
         help="vLLM only: the logprobs it reports under any sampling, one kind per engine (sampled: after "
         "temperature and top-k/top-p, what the pipeline trains with; raw: the model's own distribution, "
-        "what the Tinker service returns); the built-in engine serves both per request",
+        "what the Tinker service returns; default sampled); the built-in engine serves both per request",
     )
     serve_engine.add_argument(
         "--max-lora-rank",
         type=int,
-        default=16,
+        default=None,
         help="vLLM only: the largest adapter rank it accepts (memory is reserved for it; default 16)",
     )
     serve_engine.add_argument(
         "--max-logprobs",
         type=int,
-        default=20,
+        default=None,
         help="vLLM only: the most top-k logprobs a request may ask for, per position (default 20)",
     )
     serve_engine.add_argument(
         "--weights-dir",
         default=None,
         help="weight and adapter updates by path (/update_weights, /set_adapter) read only files under "
-        "this directory (default: any file this process can read)",
+        "this directory (default: any file this process can read; required beyond loopback)",
     )
     serve_engine.add_argument(
         "--parent-pid",
@@ -379,11 +434,23 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="environments")
     env_sub = env.add_subparsers(dest="env_command", required=True)
     env_serve = env_sub.add_parser(
-        "serve", help="serve an inflight environment with OpenEnv's HTTP + WebSocket protocol"
+        "serve",
+        help="serve an inflight environment with OpenEnv's HTTP + WebSocket protocol",
+        description="Serve a registered environment with OpenEnv's protocol (HTTP /reset /step /state "
+        "/health and /ws sessions), e.g. for `inflight run TASK env.name=openenv:URL`. Beyond loopback it "
+        "needs an API key (docs/security.md). Bad input is one line on stderr and exit code 2.",
     )
     env_serve.add_argument("name", help="environment name, e.g. blackjack")
     env_serve.add_argument("--host", default="127.0.0.1")
-    env_serve.add_argument("--port", type=int, default=8200)
+    env_serve.add_argument("--port", type=int, default=8200, help="0: a free one (the line printed names it)")
+    env_serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted X-API-Key (repeatable); without one, the key in $INFLIGHT_ENV_API_KEY (which "
+        "inflight's OpenEnv client sends), else none, and then the server only listens on loopback. Every "
+        "route but /health needs it, the /ws handshake included",
+    )
     env_serve.add_argument(
         "--max-sessions",
         type=int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import os
 import socket
 from collections.abc import Sequence
 
@@ -67,6 +68,21 @@ def check_api_keys(api_keys: Sequence[str]) -> list[str]:
     return list(api_keys)
 
 
+def keys_from(flags: Sequence[str], env_var: str) -> list[str]:
+    """A server's keys: its --api-key flags, else the one in the environment variable `env_var` (where the
+    clients of inflight's own servers read theirs: not in a config, which a run saves as config.json, nor on
+    a command line, which every local user can read), else none. A blank one is refused: it would read as
+    "no key"."""
+    if flags:
+        return check_api_keys(flags)
+    key = os.environ.get(env_var)
+    if key is not None and not key.strip():
+        raise UserError(
+            f"{env_var} is set but blank: set a real secret (`openssl rand -hex 32`), or unset it"
+        )
+    return [] if key is None else [key]
+
+
 def check_listening(host: str, api_keys: Sequence[str]) -> list[str]:
     """The keys (`check_api_keys`), and a refusal to listen beyond loopback without one. Light (no torch):
     the CLI calls it before it imports the service, so the refusal takes no time."""
@@ -87,19 +103,32 @@ class ApiKeyMiddleware:
 
     Paths under `signed_prefix` (checkpoint archive downloads, which the SDK fetches without the key)
     pass to their route, which answers 403 unless the link's own signature verifies. On `BEARER_PATHS` the
-    key may come as a bearer token instead."""
+    key may come as a bearer token instead. Another server (`serve-engine`: `inference/access.py`) names
+    its own open and bearer paths. A WebSocket handshake is checked as a request is (`env serve`'s /ws
+    sessions): refused with the same 401 where the server can answer a handshake with a response, else
+    closed (the client sees HTTP 403)."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], signed_prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: list[str],
+        signed_prefix: str | None = None,
+        open_paths: frozenset[str] = OPEN_PATHS,
+        bearer_paths: frozenset[str] = BEARER_PATHS,
+    ) -> None:
         self.app = app
         self.api_keys = [key.encode() for key in check_api_keys(api_keys)]
         self.tenants = [tenant_of(key) for key in self.api_keys]  # hashed once, not per request
         self.signed_prefix = signed_prefix
+        self.open_paths, self.bearer_paths = open_paths, bearer_paths
 
     def _open(self, path: str) -> bool:
-        return path in OPEN_PATHS or (self.signed_prefix is not None and path.startswith(self.signed_prefix))
+        return path in self.open_paths or (
+            self.signed_prefix is not None and path.startswith(self.signed_prefix)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._open(scope["path"]):
+        if scope["type"] not in ("http", "websocket") or self._open(scope["path"]):
             await self.app(scope, receive, send)
             return
         if not self.api_keys:
@@ -108,12 +137,15 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope["headers"])
         given = headers.get(b"x-api-key", b"")
-        if not given and scope["path"] in BEARER_PATHS:
+        if not given and scope["path"] in self.bearer_paths:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             given = token.strip() if scheme.lower() == b"bearer" else b""
         # Check every key (no early exit) so timing says nothing about which one nearly matched.
         matches = [hmac.compare_digest(given, key) for key in self.api_keys]
         if not any(matches):
+            if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
+                await send({"type": "websocket.close", "code": 1008})  # policy violation
+                return
             response = JSONResponse({"detail": "missing or invalid X-API-Key header"}, status_code=401)
             await response(scope, receive, send)
             return

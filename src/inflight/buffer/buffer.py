@@ -288,13 +288,21 @@ class RolloutBuffer:
         k = self.max_staleness_steps
         return k is not None and floor is not None and trainer_version - floor > k
 
-    def _timeout_message(self, trainer_version: int, timeout_s: float) -> str:
+    def shortfall(self, trainer_version: int) -> str:
+        """What a batch at `trainer_version` waits for, and the counts that tell why it is not there (for the
+        message of a wait that timed out)."""
         kind = "informative groups (active sampling)" if self.active_sampling else "groups"
-        c = self.counters
+        with self._changed:
+            c = self.counters
+            return (
+                f"{self.groups_per_step} {kind} at trainer version {trainer_version}: {len(self._buffered)} "
+                f"buffered, {len(self._in_flight_floors)} in flight; so far admitted={c.admitted} "
+                f"refused={c.refused} filtered={c.filtered} stale_dropped={c.stale_dropped} "
+                f"cancelled={c.cancelled}"
+            )
+
+    def _timeout_message(self, trainer_version: int, timeout_s: float) -> str:
         return (
-            f"RolloutBuffer.get_batch waited {timeout_s:.1f}s for {self.groups_per_step} {kind} at trainer "
-            f"version {trainer_version}: {len(self._buffered)} buffered, {len(self._in_flight_floors)} in "
-            f"flight; so far admitted={c.admitted} refused={c.refused} filtered={c.filtered} "
-            f"stale_dropped={c.stale_dropped} cancelled={c.cancelled}. Are rollout workers running, and is "
-            "the engine receiving new weights (admission waits for it)?"
+            f"RolloutBuffer.get_batch waited {timeout_s:.1f}s for {self.shortfall(trainer_version)}. Are "
+            "rollout workers running, and is the engine receiving new weights (admission waits for it)?"
         )

@@ -9,6 +9,11 @@ The protocol it speaks is four small JSON messages (`reset`, `step`, `state`, `c
 `observation`, `state` or `error` messages with a code; tests/test_openenv_interop.py plays this
 client against openenv-core's own server, so compliance is checked against the real thing.
 
+A server with an API key (`inflight env serve --api-key`) gets the key in $INFLIGHT_ENV_API_KEY as
+X-API-Key, on the /ws handshake and on /schema. From the environment rather than a config key: a run's
+config (env.kwargs included) is saved as config.json in its run directory, and command lines are readable
+by every local user.
+
 Errors: an env that raises on the server (EXECUTION_ERROR) ends the episode with a done observation
 (reward `error_reward`, `metadata["env_error"] = 1`), counted in `counters["env_errors"]`, and the
 next `reset` works. A malformed request (VALIDATION_ERROR: wrong `action_field`, bad reset
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import time
 import weakref
 from typing import Any
@@ -31,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from inflight.envs.base import Action, Environment, State, TextAction, TextObservation
 from inflight.errors import UserError
 
+API_KEY_ENV = "INFLIGHT_ENV_API_KEY"  # the key this client sends, and `inflight env serve` accepts
+API_KEY_HEADER = "X-API-Key"
 # Codes of openenv-core's `WSErrorCode` (env_server/types.py): after these the session still lives.
 _ENV_FAILED = "EXECUTION_ERROR"
 _BAD_REQUEST = {"VALIDATION_ERROR", "INVALID_JSON", "UNKNOWN_TYPE"}
@@ -59,9 +67,21 @@ class OpenEnvClientConfig(BaseModel):
 
 
 class RemoteObservation(TextObservation):
-    """A remote server's observation: `prompt` for the policy, and every field as sent in `fields`."""
+    """A remote server's observation: `prompt` for the policy, and every field as sent in `fields`.
+
+    Each field also reads as an attribute (`obs.legal_actions`, `obs.player_total`), so that code written
+    against a local env's observation (a task's reward, the warm-up's legal actions) reads a remote one
+    alike. The declared attributes come first: `prompt`, `done` and `reward` are this client's."""
 
     fields: dict[str, Any] = Field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names that normal lookup did not find. `fields` from __dict__: a model being built or
+        # copied has none yet, and `self.fields` would come back here.
+        fields = self.__dict__.get("fields")
+        if fields is not None and name in fields and not name.startswith("_"):
+            return fields[name]
+        return super().__getattr__(name)  # type: ignore[misc]  # pydantic's (typing hides it)
 
 
 class OpenEnvClientEnv(Environment[Action, RemoteObservation, State]):
@@ -223,12 +243,13 @@ class OpenEnvClientEnv(Environment[Action, RemoteObservation, State]):
     def _connection(self) -> Any:
         if self._ws is not None:
             return self._ws
-        from websockets.exceptions import WebSocketException
+        from websockets.exceptions import InvalidStatus, WebSocketException
         from websockets.sync.client import connect
 
         try:
             ws = connect(
                 self.ws_url,
+                additional_headers=_key_header(),
                 open_timeout=self.config.connect_timeout_s,
                 close_timeout=self.config.connect_timeout_s,
                 max_size=self.config.max_message_bytes,
@@ -236,9 +257,11 @@ class OpenEnvClientEnv(Environment[Action, RemoteObservation, State]):
                 proxy=None if _is_loopback(self.ws_url) else True,
             )
         except (OSError, WebSocketException) as e:  # refused, timed out, not a /ws endpoint
+            refused = isinstance(e, InvalidStatus) and e.response.status_code in (401, 403)
+            hint = f"; a server with an API key wants it in {API_KEY_ENV}" if refused else ""
             raise OpenEnvError(
                 f"cannot open an OpenEnv session at {self.ws_url} "
-                f"(within connect_timeout_s={self.config.connect_timeout_s}): {e}"
+                f"(within connect_timeout_s={self.config.connect_timeout_s}): {e}{hint}"
             ) from e
         # websockets >= 17.1 warns when a connection is used outside `with`; entering it is all `with`
         # does at the start, and close() below is the exit.
@@ -278,7 +301,12 @@ def _text_field(http_url: str, timeout_s: float) -> str:
     import httpx
 
     try:
-        response = httpx.get(f"{http_url}/schema", timeout=timeout_s, trust_env=not _is_loopback(http_url))
+        response = httpx.get(
+            f"{http_url}/schema",
+            headers=_key_header(),
+            timeout=timeout_s,
+            trust_env=not _is_loopback(http_url),
+        )
         response.raise_for_status()
         schema = response.json()["action"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
@@ -291,6 +319,11 @@ def _text_field(http_url: str, timeout_s: float) -> str:
             "pass action_field=NAME to say which one the generated text goes into"
         )
     return text[0]
+
+
+def _key_header() -> dict[str, str]:
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return {API_KEY_HEADER: key} if key else {}
 
 
 def _last_message(ws: Any) -> str | None:

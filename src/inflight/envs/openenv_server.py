@@ -20,33 +20,56 @@ them. Our Action/Observation models mirror OpenEnv's (same `metadata`, `done`, `
   over /ws and 422 over HTTP, as a bad seed is;
 - HTTP error answers: another `UserError` is a 400, a step with no episode a 409, and an exception
   from the env a JSON 500 naming it (the server logs its traceback), instead of a bare "Internal
-  Server Error" on a closed connection. Over /ws such an exception is EXECUTION_ERROR, as before.
+  Server Error" on a closed connection. Over /ws such an exception is EXECUTION_ERROR, as before. A
+  422 quotes at most the first characters of a rejected input, never all of it;
+- who may connect: with API keys (`--api-key`, else $INFLIGHT_ENV_API_KEY) every route but /health,
+  the /ws handshake included, needs one as X-API-Key (`api/auth.py`'s check, as `inflight serve` uses
+  it); without one the server listens on loopback only (`check_env_listening`). Request bodies are
+  bounded (`max_body_bytes`: 413 past it), since HTTP /reset and /step parse theirs whole.
 Cost: importing openenv-core's server takes ~6 s (it pulls in Gradio and fastmcp), once per server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast, get_args, get_origin
 
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 import inflight
+from inflight.api.auth import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    check_api_keys,
+    is_loopback,
+    keys_from,
+)
 from inflight.envs import ENVS, make_env
 from inflight.envs.base import Action, Environment, Observation, State, step_timeout
+from inflight.envs.openenv_client import API_KEY_ENV
 from inflight.errors import UserError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
 
+OPEN_PATHS = frozenset({"/health"})  # open with keys too: what readiness probes and launchers poll
+INPUT_QUOTED_CHARS = 200  # of a rejected input, in a 422: enough to recognise it, never a body's worth
+
+
 class OpenEnvServerConfig(BaseModel):
     """How the server runs sessions; the env's own arguments go to `create_app` as keywords."""
 
     max_sessions: int = Field(default=256, ge=1)  # concurrent /ws sessions, one env (and thread) each
+    # Accepted X-API-Key values; none: every route open (then `serve` listens on loopback only).
+    api_keys: list[str] = Field(default_factory=list, repr=False)
+    # An HTTP request body past this is refused (413) before it is parsed: /reset and /step read small JSON.
+    max_body_bytes: int = Field(default=2**20, ge=1)
 
 
 class EnvRaised(RuntimeError):
@@ -105,6 +128,7 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
     # Imported after the checks above: openenv-core's server takes seconds to import.
     from fastapi import Request
     from fastapi.encoders import jsonable_encoder
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from openenv.core.env_server.http_server import create_fastapi_app
     from openenv.core.env_server.types import ConcurrencyConfig
@@ -122,12 +146,15 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
         new_session_env, cast(Any, action_cls), cast(Any, observation_cls), concurrency_config=sessions
     )
     app.title = f"inflight env {name} (OpenEnv protocol)"
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_keys:  # added last, so it runs first: no body of a request without a key is read
+        keys = check_api_keys(config.api_keys)
+        app.add_middleware(ApiKeyMiddleware, api_keys=keys, open_paths=OPEN_PATHS, bearer_paths=frozenset())
 
     # These only shape HTTP answers; /ws errors are already typed messages from openenv-core.
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            status_code=422, content={"detail": jsonable_encoder(cast(ValidationError, exc).errors())}
-        )
+        errors = cast(ValidationError | RequestValidationError, exc).errors()
+        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(_clipped(errors))})
 
     async def user_error(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(status_code=400, content={"detail": str(exc)})
@@ -140,11 +167,29 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
         return JSONResponse(status_code=500, content={"detail": detail})
 
     app.add_exception_handler(ValidationError, invalid)
+    app.add_exception_handler(RequestValidationError, invalid)  # FastAPI's own echoes the whole input
     app.add_exception_handler(UserError, user_error)
     app.add_exception_handler(NoEpisodeError, no_episode)
     app.add_exception_handler(EnvRaised, env_error)
     app.add_exception_handler(Exception, env_error)
     return app
+
+
+def env_api_keys(flags: Sequence[str]) -> list[str]:
+    """The keys the server accepts: the --api-key flags, else the one in $INFLIGHT_ENV_API_KEY (which
+    inflight's client sends), else none (`auth.keys_from`)."""
+    return keys_from(flags, API_KEY_ENV)
+
+
+def check_env_listening(host: str, api_keys: Sequence[str]) -> None:
+    """Beyond loopback, refuse to serve without a key: anyone who reaches the port plays the env, and
+    `code`'s episodes run whatever they send (in its sandbox)."""
+    if not api_keys and not is_loopback(host):
+        raise UserError(
+            f"refusing to serve an env on {host!r} without an API key: anyone who can reach it could play it "
+            f"(and, for `code`, run programs in its sandbox). Set {API_KEY_ENV} (inflight's OpenEnv client "
+            "sends it from there) or pass --api-key KEY, or bind 127.0.0.1"
+        )
 
 
 def serve(
@@ -154,18 +199,38 @@ def serve(
     config: OpenEnvServerConfig | None = None,
     **env_kwargs: Any,
 ) -> None:
-    """Serve env `name` until interrupted (`inflight env serve NAME --port P`)."""
-    import uvicorn
+    """Serve env `name` until interrupted (`inflight env serve NAME --port P`). The port is bound before
+    openenv-core's slow import (a port in use fails at once, in one line) and the line printed names the
+    port bound: `port=0` takes a free one."""
+    from inflight.preflight import bind_port, serve_on
 
-    app = create_app(name, config, **env_kwargs)
-    print(f"inflight: serving env {name!r} with OpenEnv's protocol at http://{host}:{port} (/ws sessions)")
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    config = config or OpenEnvServerConfig()
+    check_env_listening(host, config.api_keys)
+    with contextlib.closing(bind_port(host, port)) as sock:
+        app = create_app(name, config, **env_kwargs)
+        bound = sock.getsockname()[1]
+        url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+        print(f"inflight: serving env {name!r} with OpenEnv's protocol at {url} (/ws sessions)", flush=True)
+        serve_on(sock, app, host, bound, log_level="warning")
 
 
 def _raised(name: str, method: str, error: Exception) -> EnvRaised:
     # A handled exception class: an unhandled one makes uvicorn close the keep-alive connection after the 500.
     logging.getLogger(__name__).warning("env %s raised in %s", name, method, exc_info=error)
     return EnvRaised(f"{type(error).__name__}: {error}")
+
+
+def _clipped(errors: Sequence[Any]) -> list[Any]:
+    """pydantic's error list with each rejected input quoted up to INPUT_QUOTED_CHARS characters (as
+    JSON): a 422 names what was wrong without sending a large body back."""
+    clipped = []
+    for error in errors:
+        if isinstance(error, dict) and "input" in error:
+            quoted = json.dumps(error["input"], default=str)
+            if len(quoted) > INPUT_QUOTED_CHARS:
+                error = {**error, "input": f"{quoted[:INPUT_QUOTED_CHARS]}... ({len(quoted)} characters)"}
+        clipped.append(error)
+    return clipped
 
 
 def _invalid_reset(error: UserError, kwargs: dict[str, Any]) -> ValidationError:

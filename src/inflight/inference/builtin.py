@@ -126,6 +126,9 @@ class EngineMetrics:
     prompt_tokens_shared: int = 0
     # Prompt tokens not prefilled because their K/V were in the prefix cache (`prefix_cache_rows`).
     prompt_tokens_cached: int = 0
+    # Requests finished with an error at admission because their own setup raised (a generator for a seed
+    # torch refuses, from a caller that skipped `add_request`'s checks); the others in the step go on.
+    admission_failures: int = 0
 
     @property
     def stale_kv_token_frac(self) -> float:
@@ -157,6 +160,7 @@ class _Counters:
     sequences_recomputed: int = 0
     tokens_recomputed: int = 0
     prefill_failures: int = 0  # requests finished because their own prefill raised
+    admission_failures: int = 0  # requests finished because their own setup (their generator) raised
     adapter_updates_received: int = 0
     adapter_updates_applied: int = 0
     prompt_tokens_shared: int = 0
@@ -351,7 +355,8 @@ class BuiltinEngine:
         return adapter
 
     def _schedule(self) -> tuple[list[Completion], int]:
-        """Apply aborts and pending updates, then admit waiting requests into free rows (appended last)."""
+        """Apply aborts and pending updates, then admit waiting requests into free rows (appended last); one
+        whose own setup fails is finished with its error instead. Returns (finished, number admitted)."""
         with self._lock:
             pending, self._pending = self._pending, None
             adapter_updates = [(a, a.pending) for a in self._adapters.values() if a.pending is not None]
@@ -380,13 +385,28 @@ class BuiltinEngine:
             self._install(*pending)
         elif changed and self.config.kv_policy == "recompute":
             self._recompute_cache([i for i, s in enumerate(self._running) if s.adapter in changed])
+        num_new = 0
         for request, entry in admitted:
-            seed = request.params.seed
-            generator = None if seed is None else torch.Generator(self._device).manual_seed(seed)
-            sequence = _Sequence(request, generator, entry)
-            sequence.kv_version = self._weights_version(sequence)
+            try:
+                sequence = self._admit(request, entry)
+            except Exception as exc:  # fault boundary: its own setup fails this request, not the step
+                error = _describe(exc)
+                log.warning("request %s failed at admission: %s", request.request_id, error)
+                finished.append(self._finish(_Sequence(request, None), "abort", error=error))
+                with self._lock:
+                    self._counters.admission_failures += 1
+                continue
             self._running.append(sequence)
-        return finished, len(admitted)
+            num_new += 1
+        return finished, num_new
+
+    def _admit(self, request: SampleRequest, entry: _Adapter | None) -> _Sequence:
+        """A waiting request as a running sequence, with the generator its seed asks for."""
+        seed = request.params.seed
+        generator = None if seed is None else torch.Generator(self._device).manual_seed(seed)
+        sequence = _Sequence(request, generator, entry)
+        sequence.kv_version = self._weights_version(sequence)
+        return sequence
 
     def _weights_version(self, seq: _Sequence) -> int:
         """The version a sequence's tokens are stamped with now: its adapter's, else the base weights'.
@@ -734,6 +754,7 @@ class BuiltinEngine:
         vocab = self._runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"request {rid}: prompt token ids must lie in [0, {vocab})")
+        self._validate_params(request.params, rid, vocab)
         if request.params.stop and self._tokenizer is None:
             raise ValueError(
                 f"request {rid}: stop strings need a tokenizer: BuiltinEngine(model, tokenizer=...)"
@@ -765,6 +786,22 @@ class BuiltinEngine:
                 )
         with self._lock:
             self._lookup_adapter(request)
+
+    @staticmethod
+    def _validate_params(params: SamplingParams, rid: str, vocab: int) -> None:
+        """What SamplingParams lets through and the step cannot take: checked here, so that a request fails
+        at submission, never in the step that the other requests share."""
+        if not math.isfinite(params.temperature):
+            raise ValueError(
+                f"request {rid}: temperature must be a finite number >= 0, got {params.temperature}"
+            )
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise ValueError(
+                f"request {rid}: seed must lie in [-2**63, 2**64) (a torch generator's), got {params.seed}"
+            )
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {rid}: stop_token_ids holds {bad[0]}; ids must lie in [0, {vocab})")
 
     def _check_names(self, update: WeightUpdate) -> None:
         given, expected = set(update.state_dict), set(self._param_shapes)

@@ -4,12 +4,14 @@
 BalancedClient sends each call to the healthy replica with the fewest outstanding requests and checks every
 replica's /health periodically. A replica that fails (connection error, timeout, 5xx, failed health check)
 is marked down and the call is retried on another replica; a replica found hung by the health check has
-its calls in flight moved too. Every retry, failure and recovery is counted in `metrics()`. A 4xx answer
-is the request's fault, not the replica's: it raises EngineRequestError at once. Weights and adapters go
-to every replica, and the health check brings a replica that was away up to date (the last weights, every
-adapter set and not removed since) before it takes requests again, so all replicas serve the same model.
-A client that installs nothing (`follows_others=True`: a rollout worker's, beside the run's client that
-publishes) instead takes a replica that was away back only once another client has brought it up to date.
+its calls in flight moved too. A call that finds none up waits `outage_wait_s` for one to come back, then
+raises ReplicasDownError (a call in flight on a replica that died included: none outlives that bound).
+Every retry, failure and recovery is counted in `metrics()`. A 4xx answer is the request's fault, not the
+replica's: it raises EngineRequestError at once. Weights and adapters go to every replica, and the health
+check brings a replica that was away up to date (the last weights, every adapter set and not removed
+since) before it takes requests again, so all replicas serve the same model. A client that installs
+nothing (`follows_others=True`: a rollout worker's, beside the run's client that publishes) instead takes
+a replica that was away back only once another client has brought it up to date.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from inflight.inference.access import API_KEY_HEADER, client_api_key
 from inflight.inference.openai_api import ChatCompletionResponse
 from inflight.inference.wire import (
     VERSION_HEADER,
@@ -66,6 +69,15 @@ class NoReplicaAvailableError(RuntimeError):
     """No replica could serve a call; the message names the replicas and the last error."""
 
 
+class ReplicasDownError(NoReplicaAvailableError):
+    """Every replica stayed down for `waited_s` (the client's outage_wait_s): the engines are gone, not busy.
+    `down`: each replica's URL and its last error."""
+
+    def __init__(self, message: str, down: dict[str, str], waited_s: float) -> None:
+        super().__init__(message)
+        self.down, self.waited_s = down, waited_s
+
+
 class ClientConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -76,9 +88,12 @@ class ClientConfig(BaseModel):
     health_interval_s: float = Field(default=2.0, gt=0)  # BalancedClient's periodic checks
     max_attempts: int = Field(default=3, ge=1)  # replicas one call may try, each at most once
     # When no replica can take a call (all down: a restart in progress), how long it waits for one to come
-    # back, health-checking every health_interval_s, before NoReplicaAvailableError.
+    # back, health-checking every health_interval_s, before ReplicasDownError.
     outage_wait_s: float = Field(default=120.0, ge=0)
     max_connections: int = Field(default=1024, ge=1)  # per replica: one per request in flight
+    # Sent as X-API-Key to servers that require one (`serve-engine --api-key`). None: the key in
+    # $INFLIGHT_ENGINE_API_KEY, if any; kept out of the run's config, which is saved as config.json.
+    api_key: str | None = Field(default=None, repr=False)
 
 
 class EngineClient:
@@ -96,7 +111,9 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.config = config or ClientConfig()
         limits = httpx.Limits(max_connections=self.config.max_connections, max_keepalive_connections=64)
-        self._http = httpx.AsyncClient(base_url=self.url, limits=limits)
+        key = self.config.api_key or client_api_key()
+        headers = {API_KEY_HEADER: key} if key else {}
+        self._http = httpx.AsyncClient(base_url=self.url, limits=limits, headers=headers)
         self._pending: list[tuple[SampleRequest, asyncio.Future[Completion]]] = []
         self._batches: set[asyncio.Task[None]] = set()  # sent, not answered yet (kept from the GC)
 
@@ -505,7 +522,9 @@ class BalancedClient:
                 self._mark_down(replica, str(result), cancel_calls=False)
             else:
                 live[replica.client.url] = result
-        if not live and wait_for_recovery and await self._await_recovery() is not None:
+        if not live and wait_for_recovery:
+            if await self._await_recovery() is None:
+                raise self._all_down(what)
             return await self._broadcast(send, what, wait_for_recovery=False)
         if not live:
             raise NoReplicaAvailableError(f"{what}: no replica installed it; {self._describe()}")
@@ -526,6 +545,8 @@ class BalancedClient:
             if replica is None and not probed:  # all down or tried: wait (bounded) for one to come back
                 probed = True
                 replica = await self._await_recovery()
+                if replica is None:
+                    raise self._all_down(what)
             if replica is None:
                 break
             if tried:
@@ -647,6 +668,14 @@ class BalancedClient:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             await self.check_health()
+
+    def _all_down(self, what: str) -> ReplicasDownError:
+        return ReplicasDownError(
+            f"{what}: every replica stayed down for outage_wait_s={self.config.outage_wait_s:g} s; "
+            f"{self._describe()}",
+            {r.client.url: r.last_error or "down" for r in self._replicas},
+            self.config.outage_wait_s,
+        )
 
     def _describe(self) -> str:
         states = [

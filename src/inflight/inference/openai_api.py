@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from inflight.inference.wire import SEED_MAX, Seed, Temperature, TokenId, TopP
 from inflight.types import Completion, SamplingParams, new_id
 
 MAX_N = 64  # samples per prompt in one request
@@ -24,17 +25,17 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = None  # sample i of n uses seed + i
+    seed: Seed | None = None  # sample i of n uses seed + i, an int64 too
     stop: str | list[str] | None = None
     stream: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     top_k: int = Field(default=0, ge=-1)  # vLLM extension; 0 or -1 = off
-    stop_token_ids: list[int] = Field(default_factory=list)  # vLLM extension
+    stop_token_ids: list[TokenId] = Field(default_factory=list)  # vLLM extension
     ignore_eos: bool = False  # vLLM extension: do not stop at the end-of-sequence token(s)
 
     @model_validator(mode="after")
@@ -43,6 +44,11 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream=true is not supported by this server; send stream=false")
         if self.presence_penalty or self.frequency_penalty or self.logit_bias:
             raise ValueError("presence_penalty, frequency_penalty and logit_bias are not supported")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise ValueError(
+                f"seed={self.seed} with n={self.n}: sample i uses seed + i, which must stay <= {SEED_MAX} "
+                f"(an int64); send seed <= {SEED_MAX - self.n + 1}"
+            )
         return self
 
     def sampling_params(self, max_tokens: int, end_token_ids: list[int], index: int) -> SamplingParams:

@@ -19,6 +19,9 @@ runs on them. Routes (bodies in `wire.py` and `openai_api.py`):
     POST /set_adapter            {"name", "path": PEFT adapter directory, "version"}: register or replace
     POST /set_adapter_raw        adapter_model.safetensors bytes; ?name=&version=&rank=&scale=
     POST /remove_adapter         {"name"}
+
+With API keys (`access.py`: `--api-key` or $INFLIGHT_ENGINE_API_KEY, required beyond loopback) every route
+but /health answers 401 without one, in X-API-Key (or as a bearer token on the OpenAI routes and /metrics).
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import SafetensorError
 
+from inflight.api.auth import check_api_keys
 from inflight.errors import UserError
+from inflight.inference.access import check_engine_listening, require_api_key
 from inflight.inference.adapter_files import read_adapter_dir
 from inflight.inference.backends import Backend, ServedEngine, VllmOptions, load_backend
 from inflight.inference.engine_loop import EngineLoop, EngineLoopError, EngineRequestError
@@ -96,6 +101,16 @@ class EngineServerConfig(BaseModel):
     max_update_bytes: int = Field(default=16 * 2**30, ge=1)  # /update_weights_raw and /set_adapter_raw
     # When set, /update_weights and /set_adapter only read files under this directory.
     weights_dir: str | None = None
+    # Accepted X-API-Key values; empty: every route open (serve() refuses that beyond loopback).
+    api_keys: list[str] = Field(default_factory=list, repr=False)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_blank_keys(cls, value: list[str]) -> list[str]:
+        try:
+            return check_api_keys(value)
+        except UserError as exc:  # pydantic reports ValueErrors as validation errors
+            raise ValueError(str(exc)) from None
 
 
 class HTTPError(Exception):
@@ -212,8 +227,19 @@ class _EngineService:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this server has no tokenizer: send prompts as token ids")
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(_unicode(prompt, "prompt")))
         return prompt
+
+    def check_room(self, prompt: list[int], max_tokens: int, field: str = "max_tokens") -> None:
+        """vLLM's rule for the OpenAI routes: prompt + max_tokens within the context, else 400 (not a
+        completion cut short without a word). A prompt too long by itself is the engine's to refuse."""
+        context = self.engine.config.max_seq_len_tokens
+        if len(prompt) < context < len(prompt) + max_tokens:
+            raise ValueError(
+                f"{field}={max_tokens} with a prompt of {len(prompt)} tokens exceeds this server's "
+                f"context of {context} tokens (prompt + completion): ask for at most "
+                f"{context - len(prompt)} tokens, or shorten the prompt"
+            )
 
     def render_chat(self, request: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
@@ -223,7 +249,7 @@ class _EngineService:
             text = render(self.tokenizer, messages, request.add_generation_prompt, self.chat_template)
         except Exception as exc:  # jinja's own errors, e.g. a template that insists on role order
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(_unicode(text, "messages"), add_special_tokens=False))
 
     # -- weights -------------------------------------------------------------------------------------
     def _install_broadcast(self, update: WeightUpdate) -> None:
@@ -351,6 +377,18 @@ class _EngineService:
         )
 
 
+def _unicode(text: str, field: str) -> str:
+    """`text`, which a tokenizer can encode: JSON may escape a lone UTF-16 surrogate ("\\ud800"), which is no
+    character and no tokenizer takes (a TypeError deep in it, otherwise)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{field} is not valid Unicode: it holds a lone surrogate ({text[exc.start]!r}); send UTF-8 text"
+        ) from None
+    return text
+
+
 def _load_safetensors_bytes(body: bytes) -> dict[str, Any]:
     from safetensors.torch import load
 
@@ -398,6 +436,7 @@ def create_app(
 
     app = FastAPI(title="inflight engine", lifespan=lifespan)
     app.state.service = service
+    require_api_key(app, service.config.api_keys)
     _add_error_handlers(app, service)
     _add_openai_routes(app, service)
     _add_engine_routes(app, service)
@@ -473,6 +512,8 @@ def _add_openai_routes(app: FastAPI, service: _EngineService) -> None:
     async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
         adapter = service.check_model(body.model)
         prompts = [service.encode_prompt(p) for p in body.prompts()]
+        for ids in prompts:
+            service.check_room(ids, body.max_tokens)
         requests = [
             SampleRequest(ids, body.sampling_params(body.max_tokens, service.eos_ids, i), adapter=adapter)
             for ids in prompts
@@ -491,6 +532,9 @@ def _add_openai_routes(app: FastAPI, service: _EngineService) -> None:
         prompt = service.render_chat(body)
         room = service.engine.config.max_seq_len_tokens - len(prompt)
         max_tokens = body.max_new_tokens or max(room, 1)
+        service.check_room(
+            prompt, max_tokens, "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        )
         requests = [
             SampleRequest(prompt, body.sampling_params(max_tokens, service.chat_end_ids, i), adapter=adapter)
             for i in range(body.n)
@@ -629,6 +673,7 @@ def serve(
     max_logprobs: int = 20,
     weights_dir: str | None = None,
     parent_pid: int | None = None,
+    api_keys: Sequence[str] = (),
 ) -> None:
     """Load `model` (a directory or hub id) into an engine of `backend` and serve it until interrupted.
     "vllm" needs the environment `launch/vllm_env.py` builds (vLLM's CPU build pins its own torch and
@@ -636,10 +681,14 @@ def serve(
     auto) are the built-in engine's only, `logprobs_kind` (the kind it reports under any sampling),
     `max_lora_rank` and `max_logprobs` vLLM's. With `weights_dir`, weight and adapter updates by path read
     only files under it; with `parent_pid`, the server stops when that process (its parent: a launcher)
-    is gone, so that a crashed run leaves no engine holding its memory."""
+    is gone, so that a crashed run leaves no engine holding its memory. With `api_keys`, every route but
+    /health needs one; beyond loopback a key and `weights_dir` are required (`access.py`)."""
     from inflight.preflight import bind_port, check_model_dir, serve_on
 
+    check_engine_listening(host, api_keys, weights_dir)
     check_model_dir(model)
+    if max_seq_len_tokens is not None:
+        check_context(model, max_seq_len_tokens)
     if parent_pid is not None:
         stop_with_parent(parent_pid)
     if backend == "builtin":
@@ -660,10 +709,30 @@ def serve(
         )
         from inflight.models import load_tokenizer
 
-        config = EngineServerConfig(model_name=model, weights_dir=weights_dir)
+        config = EngineServerConfig(model_name=model, weights_dir=weights_dir, api_keys=list(api_keys))
         app = create_app(engine, load_tokenizer(model), config, stop_ids)
         # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
         serve_on(sock, app, host, port, log_level=log_level, access_log=False)
+
+
+def check_context(model: str, max_seq_len_tokens: int) -> None:
+    """--max-seq-len-tokens within the positions the model addresses (its config, read without the weights):
+    past them a model with learned positions fails mid-request, and a rotary one generates from positions it
+    never saw. A config that cannot be read, or does not say, is left to the loader."""
+    from transformers import AutoConfig
+
+    from inflight.preflight import context_tokens
+
+    try:
+        context = context_tokens(AutoConfig.from_pretrained(model))
+    except (OSError, ValueError, KeyError):
+        return
+    if context is not None and max_seq_len_tokens > context[0]:
+        limit, basis = context
+        raise UserError(
+            f"--max-seq-len-tokens {max_seq_len_tokens} is more than the {limit} positions {model!r} "
+            f"addresses ({basis} in its config): pass --max-seq-len-tokens {limit} or less"
+        )
 
 
 def stop_with_parent(parent_pid: int, poll_s: float = 0.5, grace_s: float = 10.0) -> None:

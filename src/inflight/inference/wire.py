@@ -23,6 +23,14 @@ MAX_TOPK_PROMPT_LOGPROBS = 1000
 TargetRow = Annotated[list[int], Field(max_length=MAX_TOPK_PROMPT_LOGPROBS)]
 # Adapter names travel in JSON bodies, query strings and OpenAI's `model` field: one visible token.
 AdapterName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^\S+$")]
+# A request's seed is an int64, vLLM's bound: a larger one would reach torch.Generator.manual_seed, which
+# refuses anything outside [-2**63, 2**64), in the engine's step.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+# Sampling settings must be finite: a NaN or infinite temperature turns every logit of the row into NaN.
+Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # 0 = greedy
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0)]  # below the vocabulary size too: the engine checks that, knowing it
 
 
 class GenerateRequest(BaseModel):
@@ -32,12 +40,12 @@ class GenerateRequest(BaseModel):
 
     prompt_token_ids: list[int] = Field(min_length=1)
     max_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=1.0, ge=0)  # 0 = greedy
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     top_k: int = Field(default=0, ge=0)  # 0 = off
-    seed: int | None = None
+    seed: Seed | None = None
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)  # kept in the output when hit
+    stop_token_ids: list[TokenId] = Field(default_factory=list)  # kept in the output when hit
     logprobs_kind: Literal["sampled", "raw"] = "sampled"  # docs/architecture.md, "Logprobs"
     request_id: str | None = None  # default: a fresh id
     adapter: AdapterName | None = None  # a LoRA adapter registered with /set_adapter; None = base weights

@@ -32,6 +32,10 @@ offset, re-issues the problems whose results never reached it, and goes on.
 Shutdown order: (1) stop admitting prompts; (2) the trainer finishes its last step and writes its
 checkpoint; (3) cancel the rollouts still in flight (their problems are in the checkpoint and will be
 re-issued on resume); (4) stop the engine loop (aborting its requests); (5) close the stream.
+It begins when the trainer is done, or asked to stop (a signal: `stopping.py`; the trainer's wait for a
+batch looks every second), or when every engine replica stayed down past the client's outage bound
+(`ReplicasDownError`, met by a rollout or by a weight update): the run then stops with a checkpoint and one
+line naming the replicas and how to resume, rather than failing rollouts until the batch wait gives up.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ import torch
 from inflight.buffer.buffer import RolloutBuffer
 from inflight.buffer.streams import open_stream
 from inflight.config import RunConfig
+from inflight.errors import UserError
+from inflight.inference.client import ReplicasDownError
 from inflight.inference.engine_loop import EngineLoop
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
@@ -84,6 +90,7 @@ class _State:
     stream_duplicates: int = 0  # records of a problem no longer in flight (played twice), skipped
     resume_regenerated: int = 0  # recovered groups sampled by weights lost in a crash: problem re-issued
     stopping: bool = False
+    engines_down: ReplicasDownError | None = None  # every replica down past the outage bound: the run stops
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -193,7 +200,11 @@ class _Pipeline:
 
     # -- rollout workers ----------------------------------------------------------------------------
     async def generate(self, request: SampleRequest) -> Completion:
-        return await self.loop.generate(request, self.cfg.rollout.timeout_s)
+        try:
+            return await self.loop.generate(request, self.cfg.rollout.timeout_s)
+        except ReplicasDownError as e:  # recorded here: the task may catch it, and the guard counts it
+            self.state.engines_down = self.state.engines_down or e
+            raise
 
     async def rollout_group(self, k: int) -> None:
         """Problem k's group, played here or by the players, into the stream. Failed rollouts are counted
@@ -231,6 +242,8 @@ class _Pipeline:
             while not stop.is_set():
                 if failed:
                     raise failed[0]
+                if state.engines_down is not None:  # the rollouts would only fail: the run stops (`_run`)
+                    raise state.engines_down
                 self.guard.check()  # too many failed rollouts: the run stops, naming the most common error
                 with state.lock:
                     room = len(state.in_flight) < self.cfg.pipeline.max_groups_in_flight
@@ -254,22 +267,26 @@ class _Pipeline:
 
     # -- trainer --------------------------------------------------------------------------------------
     def next_batch(self) -> list[RolloutGroup]:
-        """The buffer's next batch; waits at most batch_timeout_s, in slices so a shutdown is not stuck."""
-        deadline = time.monotonic() + self.cfg.pipeline.batch_timeout_s
-        while True:
-            if self.state.stopping:
-                raise _Stopped
+        """The buffer's next batch; waits at most batch_timeout_s, in slices of a second so that a shutdown,
+        a stop request or engines that are gone end the wait (_Stopped)."""
+        timeout_s, version = self.cfg.pipeline.batch_timeout_s, self.parts.trainer.version
+        deadline = time.monotonic() + timeout_s
+        while not self._stop_waiting():
             try:
-                return self.buffer.get_batch(
-                    self.parts.trainer.version, min(1.0, deadline - time.monotonic())
-                )
-            except TimeoutError as e:
+                return self.buffer.get_batch(version, min(1.0, deadline - time.monotonic()))
+            except TimeoutError:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"no full batch within batch_timeout_s={self.cfg.pipeline.batch_timeout_s}s. "
-                        f"{e} (If nearly every group is filtered, the policy's rewards never differ within a "
-                        "group: warm it up, or set pipeline.active_sampling=false.)"
+                    raise UserError(
+                        f"no full batch within pipeline.batch_timeout_s={timeout_s:g} s: the trainer waited "
+                        f"for {self.buffer.shortfall(version)}. Failed rollouts are logged above and counted "
+                        "(rollout_errors); if nearly every group is filtered, the policy's rewards never "
+                        "differ within a group: warm it up, or set pipeline.active_sampling=false"
                     ) from None
+        raise _Stopped
+
+    def _stop_waiting(self) -> bool:
+        stop, state = self.parts.stop, self.state
+        return state.stopping or state.engines_down is not None or (stop is not None and stop.is_set())
 
     def train(self, evaluate: Callable[[], dict[str, float]] | None) -> None:
         cfg, trainer, loop = self.cfg, self.parts.trainer, self.loop
@@ -298,7 +315,10 @@ class _Pipeline:
                 if samples:
                     metrics.update(trainer.train_step(samples))
                     t1 = time.perf_counter()
-                    publish(loop, trainer)  # in flight
+                    try:
+                        publish(loop, trainer)  # in flight
+                    except ReplicasDownError as e:  # the step stands: a resume sends its weights first
+                        self.state.engines_down = self.state.engines_down or e
                     metrics["weight_publish_s"] = time.perf_counter() - t1
                 else:
                     metrics["steps_skipped"] = 1.0  # nothing informative: no update, counted
@@ -322,7 +342,8 @@ class _Pipeline:
                 progress.update(step + 1, metrics["reward_mean"])
                 if cfg.checkpoint_every_steps and (step + 1) % cfg.checkpoint_every_steps == 0:
                     self.checkpoint(step + 1)
-                if evaluate and cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
+                due = cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0
+                if evaluate and due and self.state.engines_down is None:  # (no engines: the run stops)
                     self.logger.log(step + 1, evaluate(), phase="eval")
                 if self.parts.stop is not None and self.parts.stop.is_set():
                     return  # asked to stop (a signal): the shutdown below checkpoints this step
@@ -382,7 +403,9 @@ class _Pipeline:
                 self.state.stopping = True
                 stop.set()  # (1) no more admissions
                 await asyncio.to_thread(thread.join)  # (2) the trainer's last step and checkpoint
-                await producer  # (3) cancel the rollouts in flight
+                (outcome,) = await asyncio.gather(producer, return_exceptions=True)  # (3) cancel the rollouts
+                if isinstance(outcome, BaseException) and outcome not in errors:
+                    errors.append(outcome)
                 if remote:
                     await loop.aclose()  # (4) the replicas keep running: they are not ours to stop
 
@@ -392,11 +415,21 @@ class _Pipeline:
             if not remote:
                 loop.stop()  # (4)
             self.stream.close()  # (5)
-        if errors:
-            raise errors[0]
+        down = self.state.engines_down
+        failures = [e for e in errors if e is not down]  # the producer raises it to end the run: said below
+        if failures:
+            raise failures[0]
         done = len(self.history) + self.start_step
         if not self.cfg.checkpoint_every_steps or done % self.cfg.checkpoint_every_steps:
             self.checkpoint(done)
+        if down is not None:
+            replicas = ", ".join(f"{url} ({error})" for url, error in down.down.items())
+            raise UserError(
+                f"every engine replica stayed down for {down.waited_s:g} s (the engine client's "
+                f"outage_wait_s): {replicas}. The run stopped after step {done} and saved its checkpoint: "
+                "start the engine(s) again at the same URL(s) (pipeline.engine_urls), then run the same "
+                f"command with run_dir={self.run_dir} to resume"
+            )
         return self.history
 
 

@@ -1,0 +1,298 @@
+"""`inflight serve-engine` against hostile or mistaken input: one request can fail only itself (never the
+engine step the others share), bad fields get a 4xx naming them, options are checked before any weight is
+read, and beyond loopback the server needs an API key, which the pipeline's clients send.
+
+References: vLLM's OpenAI server (seeds bounded to int64; prompt + max_tokens beyond the context is a 400),
+`inflight serve`'s key rule (`api/auth.py`, `tests/test_api_auth.py`), and `BuiltinEngine._non_finite`, the
+pattern of a row that finishes alone with its error. Servers run in-process on free loopback ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import one_line_error
+from inflight.inference import BuiltinEngine, BuiltinEngineConfig
+from inflight.inference.access import API_KEY_ENV
+from inflight.inference.client import EngineClient, EngineRequestError
+from inflight.inference.engine_loop import EngineLoop
+from inflight.inference.engine_loop import EngineRequestError as LoopRequestError
+from inflight.inference.server import EngineServerConfig, ServerThread, create_app
+from inflight.models import load_model, load_tokenizer
+from inflight.orchestrator.remote_engine import RemoteEngines
+from inflight.types import SampleRequest, SamplingParams
+
+KEY = "engine-test-key"
+CONTEXT = 64  # the engines' max_seq_len_tokens here
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return load_tokenizer(tiny_model_dir)
+
+
+def make_engine(model_dir: Path) -> BuiltinEngine:
+    config = BuiltinEngineConfig(max_batch_size=4, max_seq_len_tokens=CONTEXT)
+    return BuiltinEngine(load_model(model_dir), load_tokenizer(model_dir), config)
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, tokenizer: Any, **config: Any) -> Iterator[str]:
+    server = ServerThread(create_app(make_engine(model_dir), tokenizer, EngineServerConfig(**config))).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def post(http: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
+    """JSON as Python writes it: a lone surrogate escaped (\\ud800), NaN and Infinity as bare words."""
+    return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+    served = http.post("/generate", json={"prompt_token_ids": [5, 6], "max_tokens": 2, "seed": 1})
+    assert served.status_code == 200 and len(served.json()["token_ids"]) == 2, served.text
+    assert http.get("/metrics").json()["requests_failed"] == 0
+
+
+# -- one request fails only itself ------------------------------------------------------------------------
+
+
+def test_a_seed_beyond_int64_is_refused_naming_it_and_the_engine_keeps_serving(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    """It used to reach torch.Generator.manual_seed in the engine's step: 503, and the engine loop dead for
+    every client."""
+    completion = {"prompt": "hi", "max_tokens": 1}
+    cases = [
+        ("/v1/completions", {**completion, "seed": 10**23}),
+        ("/v1/completions", {**completion, "seed": -(2**63) - 1}),
+        ("/v1/completions", {**completion, "seed": 2**63 - 1, "n": 2}),  # sample 1 would use 2**63
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}),
+        ("/generate", {"prompt_token_ids": [5, 6], "max_tokens": 1, "seed": 2**64}),
+        ("/generate_batch", {"requests": [{"prompt_token_ids": [5], "seed": 2**64}]}),
+    ]
+    with serving(tiny_model_dir, tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for path, body in cases:
+            reply = post(http, path, body)
+            assert reply.status_code == 400 and "seed" in reply.json()["error"]["message"], (path, reply.text)
+            assert_still_serving(http)
+        edge = post(http, "/v1/completions", {**completion, "seed": 2**63 - 2, "n": 2})
+        assert edge.status_code == 200, edge.text
+
+
+def test_a_request_whose_own_setup_fails_in_the_step_fails_alone(tiny_model_dir: Path) -> None:
+    """Defence in depth: a request that got past add_request's checks (here, with them switched off) and
+    whose generator cannot be made fails alone at admission, like a row with non-finite logits; the request
+    admitted in the same step gets exactly the tokens it gets alone, and the loop serves the next one."""
+    checked = make_engine(tiny_model_dir)
+    [alone] = checked.generate([SampleRequest([5, 6, 7], SamplingParams(max_tokens=4, seed=3))])
+    for params, needle in [
+        (SamplingParams(seed=2**64), "seed must lie in"),
+        (SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
+        (SamplingParams(stop_token_ids=(-7,)), "stop_token_ids holds -7"),
+    ]:
+        with pytest.raises(ValueError, match=needle):  # in-process callers are told at add_request
+            checked.add_request(SampleRequest([5], params))
+    engine = make_engine(tiny_model_dir)
+    engine._validate = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    engine.add_request(SampleRequest([5, 6], SamplingParams(max_tokens=4, seed=2**64), request_id="bad"))
+    engine.add_request(SampleRequest([5, 6, 7], SamplingParams(max_tokens=4, seed=3), request_id="good"))
+    finished = engine.step()  # both admitted in this step
+    [failed] = [c for c in finished if c.request_id == "bad"]
+    assert failed.finish_reason == "abort" and "Overflow" in (failed.error or "")
+    done: dict[str, Any] = {}
+    while engine.has_unfinished():
+        done.update((c.request_id, c) for c in engine.step())
+    assert (done["good"].token_ids, done["good"].logprobs) == (alone.token_ids, alone.logprobs)
+    assert engine.metrics().admission_failures == 1
+    loop = EngineLoop(engine).start()
+    try:
+        bad = loop.submit(SampleRequest([5], SamplingParams(max_tokens=2, seed=-(2**63) - 1)))
+        with pytest.raises(LoopRequestError, match="Overflow"):
+            bad.result(timeout=60)
+        assert loop.submit(SampleRequest([5], SamplingParams(max_tokens=2))).result(timeout=60).token_ids
+        assert loop.error is None and loop.running
+    finally:
+        loop.stop()
+
+
+# -- fields refused with a 400 that names them -------------------------------------------------------------
+
+
+def test_bad_fields_get_a_400_naming_them_and_the_server_keeps_serving(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ("/v1/completions", {"prompt": "\ud800", "max_tokens": 1}, "prompt is not valid Unicode"),
+        ("/v1/completions", {"prompt": ["ok", "a\udfffb"], "max_tokens": 1}, "prompt is not valid Unicode"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens=1000000000"),
+        ("/v1/completions", {"prompt": [5] * 10, "max_tokens": CONTEXT - 9}, "at most 54 tokens"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 10**9}, "max_tokens=1000000000"),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 10**9}, "max_completion_tokens=1000"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-7]}, "stop_token_ids"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop_token_ids": [123456789]},
+            "stop_token_ids holds 123456789",
+        ),
+        ("/generate", {"prompt_token_ids": [5], "stop_token_ids": [-7]}, "stop_token_ids"),
+        ("/generate", {"prompt_token_ids": [5], "stop_token_ids": [2, 123456789]}, "stop_token_ids holds"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "temperature": float("nan")},
+            "temperature: Input should be a finite",
+        ),
+        (
+            "/v1/chat/completions",
+            {**chat, "temperature": float("inf")},
+            "temperature: Input should be a finite",
+        ),
+        (
+            "/generate",
+            {"prompt_token_ids": [5], "temperature": float("nan")},
+            "temperature: Input should be a fin",
+        ),
+        ("/generate", {"prompt_token_ids": [5], "top_p": float("nan")}, "top_p: Input should be a finite"),
+    ]
+    with serving(tiny_model_dir, tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for path, body, needle in cases:
+            reply = post(http, path, body)
+            assert reply.status_code == 400, (path, body, reply.text)
+            assert needle in reply.json()["error"]["message"], (path, body, reply.text)
+        assert_still_serving(http)
+        # At the context exactly: served, and cut there ("length"), as vLLM serves it.
+        full = http.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": CONTEXT - 10})
+        assert full.status_code == 200 and full.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        # /generate keeps the Engine protocol's rule (the in-process engine's): cut at the context.
+        cut = http.post("/generate", json={"prompt_token_ids": [5] * 10, "max_tokens": 10**9})
+        assert cut.status_code == 200 and len(cut.json()["token_ids"]) <= CONTEXT - 10
+
+
+# -- API keys ---------------------------------------------------------------------------------------------
+
+
+def test_with_a_key_every_route_but_health_needs_it(tiny_model_dir: Path, tokenizer: Any) -> None:
+    with serving(tiny_model_dir, tokenizer, api_keys=[KEY]) as url:
+        app_paths = {"/generate", "/update_weights", "/update_weights_raw", "/set_adapter", "/metrics"}
+        app_paths |= {"/v1/models", "/v1/completions", "/v1/chat/completions", "/adapters", "/docs"}
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for path in sorted(app_paths):
+                for headers in ({}, {"X-API-Key": ""}, {"X-API-Key": "wrong"}):
+                    assert http.post(path, json={}, headers=headers).status_code == 401, (path, headers)
+            assert http.get("/health").status_code == 200  # launchers and preflight probe without one
+            keyed = http.post(
+                "/generate", json={"prompt_token_ids": [5], "max_tokens": 1}, headers={"X-API-Key": KEY}
+            )
+            assert keyed.status_code == 200, keyed.text
+            bearer = http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
+            assert bearer.status_code == 200
+        # The openai client sends its api_key as a bearer token, as to vLLM's --api-key.
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert client.completions.create(model="inflight", prompt="hi", max_tokens=1).choices[0].token_ids
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model="inflight", prompt="hi", max_tokens=1)
+
+
+def test_the_pipelines_clients_send_the_key_from_the_environment(
+    tiny_model_dir: Path, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    request = SampleRequest([5, 6], SamplingParams(max_tokens=2, seed=1))
+
+    async def remote_generate(url: str) -> list[int]:
+        remote = RemoteEngines([url], tmp_path / "weights")  # what `pipeline.engine_urls` builds
+        await remote.astart()
+        try:
+            return (await remote.generate(request, timeout_s=60)).token_ids
+        finally:
+            await remote.aclose()
+
+    async def without_key(url: str) -> None:
+        async with EngineClient(url) as client:
+            await client.generate(request)
+
+    with serving(tiny_model_dir, tokenizer, api_keys=[KEY]) as url:
+        monkeypatch.delenv(API_KEY_ENV, raising=False)
+        with pytest.raises(EngineRequestError, match="HTTP 401"):
+            asyncio.run(without_key(url))
+        monkeypatch.setenv(API_KEY_ENV, KEY)
+        assert len(asyncio.run(remote_generate(url))) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--host", "0.0.0.0"], None, "refusing to serve the engine on '0.0.0.0' without an API key"),
+        (["--host", "::", "--weights-dir", "."], None, "without an API key"),
+        (["--host", "0.0.0.0", "--api-key", KEY], None, "without --weights-dir"),
+        (["--host", "0.0.0.0"], KEY, "without --weights-dir"),
+        (["--api-key", " "], None, "empty or blank"),
+        ([], " ", f"{API_KEY_ENV} is set but blank"),
+    ],
+)
+def test_serve_engine_refuses_a_public_host_without_a_key_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model_dir: Path,
+    no_weights: None,
+    args: list[str],
+    env: str | None,
+    message: str,
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    if env is not None:
+        monkeypatch.setenv(API_KEY_ENV, env)
+    line = one_line_error(capsys, "serve-engine", "--model", str(tiny_model_dir), "--port", "0", *args)
+    assert message in line, line
+
+
+# -- serve-engine's options -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
+        (["--max-seq-len-tokens", "1"], "--max-seq-len-tokens must be >= 2, got 1"),
+        (
+            ["--max-seq-len-tokens", "100000"],
+            "--max-seq-len-tokens 100000 is more than the 2048 positions",
+        ),
+        (["--weights-dir", "/nonexistent"], "--weights-dir /nonexistent is not a directory"),
+        (["--max-lora-rank", "8"], "--max-lora-rank is for --backend vllm only"),
+        (["--max-logprobs", "5"], "--max-logprobs is for --backend vllm only"),
+        (["--logprobs-kind", "raw"], "--logprobs-kind is for --backend vllm only"),
+        (["--backend", "vllm", "--kv-policy", "recompute"], "--kv-policy is for --backend builtin only"),
+        (["--backend", "vllm", "--device", "cpu"], "--device is for --backend builtin only"),
+        (["--backend", "vllm", "--max-lora-rank", "0"], "--max-lora-rank must be >= 1, got 0"),
+    ],
+)
+def test_serve_engine_options_are_checked_before_any_weight_is_read(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, no_weights: None, args: list[str], message: str
+) -> None:
+    line = one_line_error(capsys, "serve-engine", "--model", str(tiny_model_dir), "--port", "0", *args)
+    assert message in line, line

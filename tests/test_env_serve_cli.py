@@ -1,0 +1,178 @@
+"""`inflight env serve`: bad input is one line and exit 2 before anything listens (a port out of range, in
+use or unresolvable, a session limit below 1, a public bind without a key, a blank key); the line printed
+names the port bound (`--port 0`); with a key every route but /health, the /ws handshake included, needs it,
+which inflight's OpenEnv client sends from $INFLIGHT_ENV_API_KEY (openenv-core's own client sends no
+headers); request bodies are bounded (413) and a 422 never echoes a large input.
+
+Reference: the QA pass on `env serve` (`--port 70000` printed one port and listened on another, `--port 0`
+printed `:0`, a port in use printed "serving" then a uvicorn error, `--max-sessions 0` a traceback, a public
+bind needed no key, and a 50 MB /reset body came back whole in the 422), and `inflight serve-engine`,
+whose checks these mirror.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from conftest import one_line_error
+from inflight.envs import TextAction
+from inflight.envs.openenv_client import OpenEnvClientEnv, OpenEnvError
+from inflight.errors import UserError
+
+KEY = "a-key-for-the-tests"
+API_KEY_ENV = "INFLIGHT_ENV_API_KEY"  # as documented (docs/environments.md, docs/security.md)
+START_TIMEOUT_S = 120.0  # a cold server imports openenv-core (Gradio): seconds, more on a loaded machine
+
+
+@pytest.fixture
+def no_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make starting uvicorn fail the test: bad input must be reported before anything serves."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("uvicorn started serving before the bad input was reported")
+
+    monkeypatch.setattr("uvicorn.run", refuse)
+    monkeypatch.setattr("uvicorn.Server.run", refuse)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--port", "70000"], "--port 70000 is out of range"),
+        (["--host", "256.1.1.1", "--api-key", KEY], "cannot listen on 256.1.1.1:8200"),
+        (["--max-sessions", "0"], "--max-sessions must be >= 1, got 0"),
+        (["--max-sessions", "-3"], "--max-sessions must be >= 1, got -3"),
+        (["--host", "0.0.0.0"], "refusing to serve an env on '0.0.0.0' without an API key"),
+        (["--api-key", " "], "API key #1 is empty or blank"),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_serves(
+    capsys: pytest.CaptureFixture[str], no_serving: None, flags: list[str], expected: str
+) -> None:
+    line = one_line_error(capsys, "env", "serve", "blackjack", *flags)
+    assert expected in line, line
+
+
+def test_a_port_in_use_is_one_line(
+    capsys: pytest.CaptureFixture[str], no_serving: None, busy_port: int
+) -> None:
+    line = one_line_error(capsys, "env", "serve", "blackjack", "--port", str(busy_port))
+    assert f"port {busy_port} on 127.0.0.1 is in use" in line, line
+
+
+def test_the_key_comes_from_the_flags_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inflight.envs.openenv_server import check_env_listening, env_api_keys
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert env_api_keys([]) == []
+    with pytest.raises(UserError, match="without an API key"):
+        check_env_listening("0.0.0.0", [])
+    check_env_listening("localhost", [])  # loopback: a key is optional
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    assert env_api_keys([]) == [KEY] and env_api_keys(["flag"]) == ["flag"]
+    check_env_listening("0.0.0.0", env_api_keys([]))
+    monkeypatch.setenv(API_KEY_ENV, "  ")
+    with pytest.raises(UserError, match=f"{API_KEY_ENV} is set but blank"):
+        env_api_keys([])
+
+
+@pytest.fixture(scope="module")
+def keyed_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`inflight env serve blackjack --port 0 --api-key KEY`, as a user starts it; its URL from the line it
+    prints."""
+    log = tmp_path_factory.mktemp("env-serve") / "server.log"
+    cmd = [sys.executable, "-m", "inflight.cli", "env", "serve", "blackjack", "--port", "0", "--api-key", KEY]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"}
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (found := re.search(r"at (http://127\.0\.0\.1:(\d+)) \(/ws sessions\)", log.read_text())):
+            assert proc.poll() is None, (
+                f"`inflight env serve` exited with code {proc.returncode}: {log.read_text()}"
+            )
+            assert time.monotonic() < deadline, (
+                f"no serving line within {START_TIMEOUT_S} s: {log.read_text()}"
+            )
+            time.sleep(0.1)
+        url, port = found.group(1), int(found.group(2))
+        assert port != 0
+        while True:  # listening already (bound before the line); answering once openenv-core is imported
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+def test_with_a_key_every_route_but_health_and_the_ws_handshake_need_it(keyed_url: str) -> None:
+    with httpx.Client(base_url=keyed_url, trust_env=False) as http:
+        assert http.get("/health").status_code == 200
+        for path in ("/schema", "/metadata", "/state"):
+            assert http.get(path).status_code == 401, path
+            assert http.get(path, headers={"X-API-Key": "wrong"}).status_code == 401, path
+        assert http.get("/schema", headers={"X-API-Key": KEY}).status_code == 200
+        assert http.post("/reset", json={"seed": 1}).status_code == 401
+    ws_url = keyed_url.replace("http://", "ws://") + "/ws"
+    with pytest.raises(InvalidStatus, match="HTTP 401"):
+        connect(ws_url, open_timeout=10)
+    with connect(ws_url, open_timeout=10, additional_headers={"X-API-Key": KEY}) as ws:
+        ws.send('{"type": "reset", "data": {"seed": 1}}')
+        assert '"observation"' in str(ws.recv(timeout=10))
+
+
+def test_inflights_client_sends_the_key_from_the_environment(
+    keyed_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(OpenEnvError, match=f"HTTP 401; a server with an API key wants it in {API_KEY_ENV}"):
+        OpenEnvClientEnv(keyed_url).reset(seed=1)
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    env = OpenEnvClientEnv(keyed_url)  # the action field comes from /schema: read with the key too
+    obs = env.reset(seed=1)
+    assert obs.legal_actions == ["hit", "stand"]
+    assert env.step(TextAction(text="stand")).done
+    env.close()
+
+
+def test_openenv_cores_generic_client_cannot_send_a_key(keyed_url: str) -> None:
+    """Why docs/environments.md says a keyed server needs inflight's client (or loopback): openenv-core
+    0.3.0's EnvClient opens its socket with no way to add a header."""
+    from openenv.core import GenericEnvClient
+
+    with pytest.raises(ConnectionError, match="401"), GenericEnvClient(base_url=keyed_url).sync() as client:
+        client.reset(seed=1)
+
+
+def test_request_bodies_are_bounded_and_a_422_quotes_little_of_its_input(keyed_url: str) -> None:
+    headers = {"X-API-Key": KEY, "content-type": "application/json"}
+    with httpx.Client(base_url=keyed_url, trust_env=False, headers=headers, timeout=60) as http:
+        big = http.post("/reset", content=b'{"seed": "' + b"x" * 50_000_000 + b'"}')
+        assert big.status_code == 413 and "limit of 1048576 bytes" in big.json()["detail"]
+        for body in ({"seed": "x" * 500_000}, {"seed": 1, "extra": "y" * 500_000}):
+            answer = http.post("/reset", json=body)
+            assert answer.status_code == 422 and len(answer.content) < 2_000, answer.text[:300]
+            error = answer.json()["detail"][0]
+            assert error["input"].endswith("characters)") and "..." in error["input"], error
+        small = http.post("/reset", json={"seed": "abc"})  # a small input is quoted as it came
+        assert small.status_code == 422 and small.json()["detail"][0]["input"] == "abc"
