@@ -1,6 +1,9 @@
 """`inflight run TARGET launcher=ray` on a real local Ray cluster (no mocks): BlackJack runs to completion
 with the summary keys of a local run, and a SIGKILLed engine replica is restarted by Ray and brought up to
-date while the run goes on (issue 13 items 4 and 5). Also: bad input to the launcher is one line.
+date while the run goes on (issue 13 items 4 and 5). Also: bad input to the launcher is one line; SIGTERM
+stops a run (or drains a service) on a Ray of its own gracefully; a stop while Ray places the actors ends the
+wait; an address that is no Ray head, a token a cluster wants (`ray start --head`), GPUs a cluster lacks:
+each one line, within a bounded wait.
 
 Reference: the local launcher's run of the same configuration (`orchestrator/run.py`); Ray 2.x actor fault
 tolerance (an actor with max_restarts is re-created by rerunning its constructor).
@@ -12,8 +15,10 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -751,3 +756,318 @@ def test_an_unreachable_ray_address_is_one_line(tiny_model_dir: Path, tmp_path: 
     assert len(lines) == 1 and "ray.address=127.0.0.1:1: nothing answers there" in lines[0], done.stderr
     assert "ray start --head" in lines[0]
     assert not (tmp_path / "r").exists()
+
+
+# -- signals, connecting, and placements refused (the scale QA pass) ----------------------------------------
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of an `inflight` child process: none of Ray's address or token settings of this one
+    (the module's local Ray sets RAY_AUTH_MODE here), and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH_", "RAY_ADDRESS"))}
+    return env | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"} | extra
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` different loopback ports, free now."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def inflight_process(argv: list[str], logs: Path) -> subprocess.Popen[bytes]:
+    """`python -m inflight.cli ARGV` started with stdout and stderr in LOGS/stdout.log and LOGS/stderr.log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with (logs / "stdout.log").open("w") as out, (logs / "stderr.log").open("w") as err:
+        command = [sys.executable, "-m", "inflight.cli", *argv]
+        return subprocess.Popen(command, stdout=out, stderr=err, env=child_env())
+
+
+def end(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_sigterm_stops_a_run_on_its_own_ray_after_the_step_in_flight(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM (a scheduler's preemption) as Ctrl-C above: the run stops after its step in flight, with its
+    checkpoint and summary, exit 143. ray.init replaces the SIGTERM handler (an exit, and under it Ray's C++
+    handler, which aborts); the launcher puts the command's own back. Its own process, with a local Ray of
+    its own: the module's Ray, already started, would spare it the ray.init."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    argv = [
+        "run", "blackjack", *tiny_run(tiny_model_dir, 400), "launcher=ray", "ray.engine_cpus=0.5",
+        "ray.trainer_cpus=0.5", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    proc = inflight_process(argv, logs)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics_rows_or_none(run_dir) or []) < 2:
+            assert proc.poll() is None, (logs / "stderr.log").read_text()
+            assert time.monotonic() < deadline, (logs / "stderr.log").read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    finally:
+        end(proc)
+    err = (logs / "stderr.log").read_text()
+    assert code == 128 + signal.SIGTERM, err
+    assert "SIGTERM received" not in err  # Ray's C++ handler's dump
+    summary = json.loads((logs / "stdout.log").read_text().strip().splitlines()[-1])
+    assert summary["stopped"] == "SIGTERM" and 2 <= summary["steps"] < 400, summary
+    assert checkpoint_step(run_dir / "checkpoint") == summary["steps"]  # what the same command resumes from
+    assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "SIGTERM"
+
+
+def test_sigterm_drains_a_service_on_its_own_ray(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`inflight serve --launcher ray` connects to Ray before uvicorn starts, so that uvicorn's handlers, set
+    after Ray's, take the SIGTERM: the service drains and exits on the signal, as without Ray
+    (tests/test_api_serve_process.py), its actors released on the way."""
+    import httpx
+
+    logs, [port] = tmp_path / "logs", free_ports(1)
+    argv = [
+        "serve", "--base-model", f"tiny={tiny_model_dir}", "--state-dir", str(tmp_path / "state"),
+        "--port", str(port), "--launcher", "ray",
+    ]  # fmt: skip
+    proc = inflight_process(argv, logs)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (logs / "stderr.log").read_text()
+            assert time.monotonic() < deadline, (logs / "stderr.log").read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        end(proc)
+    err = (logs / "stderr.log").read_text()
+    assert code == -signal.SIGTERM, err  # uvicorn re-raises the signal it handled
+    assert "shutting down (SIGTERM)" in err and "Application shutdown complete" in err, err
+    assert "SIGTERM received" not in err and "Traceback" not in err, err
+
+
+def test_a_stop_while_ray_places_the_actors_ends_the_wait_in_one_line(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while the placement group waits for room (the module's 2 CPUs held by another group): the wait
+    ends at once, not after ray.placement_timeout_s; the group is removed; the command says so in one line
+    and exits as the signal says. Nothing ran, so nothing is written."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    blocker = placement_group([{"CPU": 2}])
+    ray_cluster.get(blocker.ready(), timeout=60)
+    run_over = threading.Event()
+
+    def ctrl_c_once_it_waits() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not run_over.is_set():
+            if any(group["state"] == "PENDING" for group in placement_group_table().values()):
+                if not run_over.is_set():
+                    os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.2)
+
+    stopper = threading.Thread(target=ctrl_c_once_it_waits, daemon=True)
+    stopper.start()
+    capsys.readouterr()
+    started = time.monotonic()
+    argv = [
+        "run", "blackjack", f"model.path={tiny_model_dir}", "launcher=ray", "ray.engine_cpus=0.5",
+        "ray.trainer_cpus=0.5", "ray.placement_timeout_s=60", "--run-dir", str(tmp_path / "r"),
+    ]  # fmt: skip
+    try:
+        code = main(argv)
+    finally:
+        run_over.set()
+        remove_placement_group(blocker)
+    stopper.join(5)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGINT, err
+    assert time.monotonic() - started < 30, err
+    stopped = [line for line in err.splitlines() if line.startswith("inflight: SIGINT: stopped")]
+    assert len(stopped) == 1 and "while Ray placed the actors" in stopped[0], err
+    assert "Traceback" not in err and "inflight: error" not in err, err
+    assert not (tmp_path / "r").exists()
+    assert {group["state"] for group in placement_group_table().values()} == {"REMOVED"}
+    wait_until_released(ray_cluster)
+
+
+def test_gpus_asked_of_a_ray_without_any_are_one_line_naming_the_devices(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """engine.device=cuda on a CPU-only Ray: the line says the cluster has no GPUs and which devices to set to
+    cpu; on the local Ray at once (it never grows), on a cluster at an address (an autoscaler may add GPU
+    nodes) after ray.placement_timeout_s."""
+    from conftest import one_line_error
+
+    if ray_cluster.cluster_resources().get("GPU"):
+        pytest.skip("this machine has GPUs")
+    argv = ["run", "blackjack", f"model.path={tiny_model_dir}", "launcher=ray", "--run-dir", str(tmp_path)]
+    started = time.monotonic()
+    line = one_line_error(capsys, *argv, "engine.device=cuda", "trainer.device=cuda")
+    assert "needs 2 GPUs" in line and "the local Ray has no GPUs" in line, line
+    assert "Set engine.device=cpu trainer.device=cpu" in line and "ray.engine_cpus" not in line, line
+    assert time.monotonic() - started < 60  # not after ray.placement_timeout_s (120 s)
+    # "auto": the module's Ray, as a cluster this machine joined.
+    at_an_address = ["engine.device=cuda", "ray.address=auto", "ray.placement_timeout_s=2"]
+    line = one_line_error(capsys, *argv, *at_an_address)
+    assert "it has no GPUs" in line and "Set engine.device=cpu (" in line, line
+    assert "ray.engine_cpus" not in line, line
+    wait_until_released(ray_cluster)
+
+
+def test_ray_addresses_take_host_and_port_auto_or_a_ray_client_url() -> None:
+    from inflight.launch.ray import check_address
+
+    for address in ("10.0.0.5:6379", "head.cluster:6379", "auto", "ray://10.0.0.5:10001"):
+        check_address(address, "ray.address")
+    for address, problem in [
+        (
+            "http://127.0.0.1:6379",
+            "expected HOST:PORT (the head's GCS port, e.g. 10.0.0.5:6379) or auto, not a URL",
+        ),
+        ("127.0.0.1", "expected HOST:PORT"),
+        ("127.0.0.1:port", "expected HOST:PORT"),
+        (":6379", "expected HOST:PORT"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(f"ray.address={address}: {problem}")):
+            check_address(address, "ray.address")
+
+
+def test_serve_refuses_a_ray_address_it_would_not_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--ray-address without --launcher ray, or not HOST:PORT: refused first, before any other check (the
+    base model's directory is missing here: had the address passed, that would be the line)."""
+    from conftest import one_line_error
+
+    missing = tmp_path / "no-model"
+    serve = ["serve", "--base-model", f"tiny={missing}", "--state-dir", str(tmp_path), "--port", "0"]
+    line = one_line_error(capsys, *serve, "--ray-address", "127.0.0.1:6379")
+    assert "--ray-address=127.0.0.1:6379: names the Ray cluster of --launcher ray" in line, line
+    assert "add --launcher ray, or drop --ray-address" in line
+    line = one_line_error(capsys, *serve, "--launcher", "ray", "--ray-address", "http://127.0.0.1:6379")
+    assert "--ray-address=http://127.0.0.1:6379: expected HOST:PORT" in line and "not a URL" in line, line
+
+
+@pytest.fixture
+def http_server() -> Iterator[str]:
+    """HOST:PORT of a loopback HTTP server: a live port that is not Ray."""
+    import http.server
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_address_that_is_not_a_ray_head_is_one_line_within_the_connect_timeout(
+    http_server: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A live port that speaks something else: ray.init alone would retry without end. `inflight run` names
+    ray.address; `inflight serve` names --ray-address, before uvicorn starts (no traceback, exit 2)."""
+    commands = {
+        "ray.address": [
+            "run", "blackjack", f"model.path={tiny_model_dir}", "launcher=ray", f"ray.address={http_server}",
+            "ray.connect_timeout_s=10", "--run-dir", str(tmp_path / "r"),
+        ],
+        "--ray-address": [
+            "serve", "--base-model", f"tiny={tiny_model_dir}", "--state-dir", str(tmp_path / "s"),
+            "--port", "0", "--launcher", "ray", "--ray-address", http_server,
+        ],
+    }  # fmt: skip
+    for key, argv in commands.items():
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "inflight.cli", *argv], capture_output=True, text=True, timeout=90,
+            env=child_env(),
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1, done.stderr
+        assert f"{key}={http_server}: something answers there, but not as a Ray head" in lines[0], lines
+        assert "ray start --head --port=PORT" in lines[0]
+        assert time.monotonic() - started < 60  # ray.connect_timeout_s, and the command's start
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture
+def ray_head(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A cluster started as docs/laptop-to-cluster.md says, `ray start --head`, which turns Ray's token
+    authentication on: in a temp dir of its own, on free ports, with a token of its own in RAY_AUTH_TOKEN
+    (never the user's ~/.ray/auth_token). Yields (its address, its token); stopped after (SIGTERM to
+    `ray start --block`, which stops what it started)."""
+    token, temp_dir = uuid.uuid4().hex, tempfile.mkdtemp(prefix="rayh-", dir="/tmp")  # short socket paths
+    gcs, client, node_manager, objects, agent, agent_grpc, runtime_env, metrics = free_ports(8)
+    command = [
+        str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={gcs}",
+        f"--ray-client-server-port={client}", f"--node-manager-port={node_manager}",
+        f"--object-manager-port={objects}", f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}", "--num-cpus=2", "--include-dashboard=false",
+        "--disable-usage-stats", f"--temp-dir={temp_dir}",
+    ]  # fmt: skip
+    log = tmp_path / "ray-head.log"
+    with log.open("w") as out:
+        head = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=child_env(RAY_AUTH_TOKEN=token),
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield f"127.0.0.1:{gcs}", token
+    finally:
+        head.terminate()
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)  # its session: the processes this fixture started
+            head.wait(30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_cluster_with_token_authentication_takes_the_token_and_says_when_it_is_missing(
+    ray_head: tuple[str, str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`ray start --head` turns token authentication on. Without RAY_AUTH_MODE=token: one line that says so,
+    not Ray's 20 s of InvalidAuthToken logs and "no Ray cluster found". With it and the head's token (in
+    RAY_AUTH_TOKEN here; ~/.ray/auth_token or RAY_AUTH_TOKEN_PATH also do): the run trains there."""
+    address, token = ray_head
+    argv = [
+        "run", "blackjack", *tiny_run(tiny_model_dir, 2, warmup_steps=2), "launcher=ray",
+        f"ray.address={address}", "ray.engine_cpus=0.5", "ray.trainer_cpus=0.5",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "inflight.cli", *argv]
+    started = time.monotonic()
+    refused = subprocess.run(
+        [*command, "--run-dir", str(tmp_path / "refused")], capture_output=True, text=True, timeout=120,
+        env=child_env(),
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"ray.address={address}: the cluster wants a token" in lines[0], refused.stderr
+    assert "set RAY_AUTH_MODE=token" in lines[0] and "docs/laptop-to-cluster.md" in lines[0]
+    assert time.monotonic() - started < 60
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [*command, "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=300,
+        env=child_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == 2
+    assert checkpoint_step(run_dir / "checkpoint") == 2

@@ -56,8 +56,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with stop_on_signals(StopRequest()) as stop:
         if cfg.launcher == "ray":  # the same run, its engine replicas and trainer placed on a Ray cluster
             from inflight.launch.ray import run_on_ray
+            from inflight.orchestrator.stopping import StoppedBeforeRun
 
-            summary = run_on_ray(cfg, args.target, stop)
+            try:
+                summary = run_on_ray(cfg, args.target, stop)
+            except StoppedBeforeRun as e:  # while Ray placed the actors: no run, no summary
+                print(f"inflight: {e}", file=sys.stderr)
+                return e.exit_code
         else:
             from inflight.launch.local import run_local
 
@@ -124,6 +129,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Before the service's imports (torch, via the tinker SDK: seconds): these refusals are instant.
     check_listening(args.host, args.api_key)
     check_port(args.port)
+    if args.ray_address is not None:
+        if args.launcher != "ray":
+            raise UserError(
+                f"--ray-address={args.ray_address}: names the Ray cluster of --launcher ray, and this "
+                "service's launcher is local: add --launcher ray, or drop --ray-address"
+            )
+        from inflight.launch.ray import check_address
+
+        check_address(args.ray_address, "--ray-address")  # the cluster's answer: before uvicorn (app.py)
     base_models = _parse_base_models(args.base_model)
     for path in base_models.values():
         resolve(path)  # a missing model directory (the service checks the rest of each once it loads)
@@ -347,8 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray-address",
         default=None,
         metavar="HOST:PORT",
-        help="with --launcher ray: the cluster's head (unset: a private local Ray; auto: the cluster this "
-        "machine joined)",
+        help="with --launcher ray only: the cluster's head, HOST:PORT (the port `ray start --head` opened, "
+        "6379 by default; unset: a private local Ray; auto: the cluster this machine joined; "
+        "ray://HOST:PORT: through Ray Client); a cluster with token authentication (`ray start --head` turns "
+        "it on) wants RAY_AUTH_MODE=token and its token (docs/laptop-to-cluster.md)",
     )
     serve.set_defaults(func=_cmd_serve)
 

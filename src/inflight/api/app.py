@@ -347,7 +347,7 @@ def serve(
     resolve_device(device, "--device")  # a device this machine lacks: one line, before anything loads
     ensure_dir(config.state_dir, "--state-dir")
     check_database(config.database_url, "--db" if db_url else "the database in --state-dir")
-    with contextlib.closing(bind_port(host, port)) as sock:
+    with contextlib.closing(bind_port(host, port)) as sock, _ray_connected(config):
         # Loaded before uvicorn starts, so that a model that fails to load is one line (on Ray: at start).
         app = create_app(config, compute=load_compute(config) if launcher == "local" else None)
         _log_requests_to_stdout()
@@ -375,6 +375,18 @@ def _log_requests_to_stdout() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # one copy, whatever the root logger does
+
+
+def _ray_connected(config: ServiceConfig) -> contextlib.AbstractContextManager[None]:
+    """--launcher ray: the cluster connected before uvicorn starts (the engines and the training are placed
+    in the app's lifespan, on this connection), so that an address that is no Ray head, or a token it
+    refuses, is one line naming --ray-address, and so that uvicorn's signal handlers are set after Ray's,
+    and a SIGTERM drains the service."""
+    if config.launcher != "ray":
+        return contextlib.nullcontext()
+    from inflight.launch.ray import ray_connection
+
+    return ray_connection(config.ray, "--ray-address")
 
 
 def load_compute(config: ServiceConfig) -> ServiceCompute:

@@ -166,6 +166,8 @@ class EngineProcess:
         if self.max_seq_len_tokens is not None:
             command += ["--max-seq-len-tokens", str(self.max_seq_len_tokens)]
         if self.weights_dir is not None:
+            # The run's weights directory, which its first update creates: serve-engine wants it to exist.
+            Path(self.weights_dir).mkdir(parents=True, exist_ok=True)
             command += ["--weights-dir", str(self.weights_dir)]
         return command
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import signal
 import socket
 import sys
 import threading
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from inflight.config import EngineConfig, ModelConfig, RayConfig, RunConfig
 from inflight.envs.sandbox.pool import KILL_GRACE_S
 from inflight.errors import UserError, describe
+from inflight.inference.access import API_KEY_ENV
+from inflight.orchestrator.stopping import StoppedBeforeRun
 
 if TYPE_CHECKING:
     from inflight.api.compute import ServiceComputeConfig
@@ -50,7 +54,8 @@ PLAY_GRACE_S = 60.0  # a group's play is bounded by rollout.timeout_s (its rollo
 def run_on_ray(cfg: RunConfig, target: str, stop: StopRequest | None = None) -> dict[str, Any]:
     """Train `target` as `cfg` says, on the cluster `cfg.ray` names; returns the summary (also in
     RUN_DIR/summary.json), with the same keys as a local run's. `stop`, once set here (a signal), is
-    forwarded to the run's actor, whose training then ends after the step in flight."""
+    forwarded to the run's actor, whose training then ends after the step in flight; set while Ray still
+    places the actors, it ends that wait (`StoppedBeforeRun`), the actors and their reservation released."""
     if cfg.pipeline.engine_urls:
         raise UserError(
             "launcher=ray starts its own engine replicas (ray.num_engine_replicas): "
@@ -67,7 +72,7 @@ def run_on_ray(cfg: RunConfig, target: str, stop: StopRequest | None = None) -> 
             from inflight.launch.engine_process import check_vllm_model_dir
 
             check_vllm_model_dir(cfg.model.path)
-        placement = place(ray, cfg, _portable(target))
+        placement = place(ray, cfg, _portable(target), stop)
         try:
             return placement.run(stop)
         finally:
@@ -151,7 +156,8 @@ def engines_on_ray(
     with _cluster(ray, ray_config):
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         shape = [_engine_bundle(ray_config, config.device, has_gpus) for _, config in engines.values()]
-        group = _reserve(ray, shape, ray_config, "serve --launcher ray", "Add nodes or lower ray.engine_cpus")
+        fix = Fixes("Add nodes or lower ray.engine_cpus", *SERVE_FIXES)
+        group = _reserve(ray, shape, ray_config, "serve --launcher ray", fix)
         actors: list[Any] = []
         try:
             replica_cls = ray.remote(EngineReplica)
@@ -163,7 +169,7 @@ def engines_on_ray(
                         ray, replica_cls, run_cfg, group, i, shape[i], name_on_ray, weights_dir, vllm
                     )
                 )
-            infos = _replica_infos(ray, actors, ray_config, "serve --launcher ray")
+            infos = _replica_infos(ray, actors, ray_config, "serve --launcher ray", None)
             for name, info in zip(engines, infos, strict=True):
                 print(f"inflight: ray: base model {name!r} samples on {info.url}", file=sys.stderr)
             yield {name: info.url for name, info in zip(engines, infos, strict=True)}
@@ -188,7 +194,7 @@ def compute_on_ray(
     with _cluster(ray, ray_config):
         gpu = _on_gpu(config.device, ray.cluster_resources().get("GPU", 0) > 0)
         shape = [{"CPU": ray_config.trainer_cpus} | ({"GPU": ray_config.trainer_gpus} if gpu else {})]
-        fix = "Add nodes or lower ray.trainer_cpus"
+        fix = Fixes("Add nodes or lower ray.trainer_cpus", *SERVE_FIXES)
         group = _reserve(ray, shape, ray_config, "serve --launcher ray (training)", fix)
         actor = None
         try:
@@ -219,27 +225,93 @@ def _engine_bundle(r: RayConfig, device: str, cluster_has_gpus: bool) -> dict[st
     return {"CPU": r.engine_cpus} | ({"GPU": r.engine_gpus} if _on_gpu(device, cluster_has_gpus) else {})
 
 
-def _reserve(ray: Any, shape: list[dict[str, float]], r: RayConfig, who: str, fix: str) -> Any:
-    """A placement group of `shape` (r.strategy), ready; one line naming the shape, what is free and `fix`
-    when the cluster cannot hold it within r.placement_timeout_s."""
+@dataclass
+class Fixes:
+    """What a refused placement's line suggests: for want of CPUs, on a cluster without a GPU (the devices
+    to change), and on one with too few GPUs."""
+
+    cpus: str
+    no_gpus: str
+    few_gpus: str
+
+
+SERVE_FIXES = (
+    "Serve with --device cpu (or auto: a GPU only where the cluster has one)",
+    "Serve with --device cpu, or add GPU nodes",
+)
+
+
+def _reserve(
+    ray: Any,
+    shape: list[dict[str, float]],
+    r: RayConfig,
+    who: str,
+    fix: Fixes,
+    stop: StopRequest | None = None,
+) -> Any:
+    """A placement group of `shape` (r.strategy), ready; one line naming the shape, what the cluster has and
+    the fix when it cannot hold it within r.placement_timeout_s (a local Ray, which never grows: at once). A
+    stop (`stop`, set by a signal) ends the wait (`StoppedBeforeRun`); the group goes either way."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    needed, total = sum(b.get("CPU", 0.0) for b in shape), ray.cluster_resources().get("CPU", 0.0)
-    if r.address is None and needed > total:  # a local Ray never grows: fail now, not after the wait
-        raise UserError(
-            f"{who}: the placement needs {needed:g} CPUs ({shape}) but the local Ray has {total:g} (this "
-            f"machine's). {fix}"
-        )
+    totals = ray.cluster_resources()
+    gpus = totals.get("GPU", 0.0)
+    gpus_fix = fix.few_gpus if gpus else fix.no_gpus
+    for resource, wanted in (("GPU", gpus_fix), ("CPU", fix.cpus)):
+        needed, total = sum(b.get(resource, 0.0) for b in shape), totals.get(resource, 0.0)
+        if r.address is None and needed > total:  # a local Ray never grows: fail now, not after the wait
+            raise UserError(
+                f"{who}: the placement needs {needed:g} {resource}s ({shape}) but the local Ray has "
+                f"{_count(total)} {resource}s (this machine's). {wanted}"
+            )
     group = placement_group(shape, strategy=r.strategy)
     try:
-        ray.get(group.ready(), timeout=r.placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
+        ready = _ready_within(ray, [group.ready()], r.placement_timeout_s, stop, "Ray placed the actors")
+    except BaseException:
         remove_placement_group(group)
+        raise
+    if not ready:
+        remove_placement_group(group)
+        # Short of GPUs (an autoscaler may add some: hence the wait), the CPU settings are not the fix.
+        wanted = gpus_fix if sum(b.get("GPU", 0.0) for b in shape) > gpus else fix.cpus
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         raise UserError(
             f"{who}: the cluster could not hold {shape} ({r.strategy}) within ray.placement_timeout_s="
-            f"{r.placement_timeout_s:g}; it has {ray.available_resources()} free. {fix}"
-        ) from None
+            f"{r.placement_timeout_s:g}; it has {_count(gpus)} GPUs, and {free} free. {wanted}"
+        )
     return group
+
+
+def _count(total: float) -> str:
+    return f"{total:g}" if total else "no"
+
+
+def _ready_within(ray: Any, refs: list[Any], timeout_s: float, stop: StopRequest | None, during: str) -> bool:
+    """Whether all of `refs` are ready (done or failed) within `timeout_s`. Waited for in STOP_POLL_S slices,
+    between which this (main) thread's signal handlers run: a stop they ask for (`stop`) ends the wait at
+    once, as `StoppedBeforeRun` naming what was under way (`during`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if stop is not None and stop.reason is not None:
+            raise StoppedBeforeRun(stop.reason, during)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(left, STOP_POLL_S))
+        if len(ready) == len(refs):
+            return True
+
+
+def _engine_key_env() -> dict[str, dict[str, str]]:
+    """The runtime_env that gives an actor the replicas' API key ($INFLIGHT_ENGINE_API_KEY): a replica serves
+    on its node's address, beyond loopback, so it takes requests only with the key (`inference/access.py`:
+    serve-engine refuses to listen there without one), and the run's clients send it. The caller's own key
+    when it set one, else one made for this process (set in its environment too, for the clients of
+    `serve --launcher ray`, which run here)."""
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    if not key:
+        key = os.environ[API_KEY_ENV] = secrets.token_hex(32)
+    return {"env_vars": {API_KEY_ENV: key}}
 
 
 def _on_bundle(group: Any, index: int) -> Any:
@@ -270,20 +342,23 @@ def _start_replica(
         num_gpus=gpus,
         max_restarts=cfg.ray.max_replica_restarts,
         scheduling_strategy=_on_bundle(group, index),
+        runtime_env=_engine_key_env(),
     ).remote(_for_actor(cfg, gpus), host, port, weights_dir, vllm)
 
 
-def _replica_infos(ray: Any, replicas: list[Any], r: RayConfig, who: str) -> list[ReplicaInfo]:
-    """Each replica's URL once it serves; one line when they do not within r.replica_start_timeout_s."""
-    try:
-        infos: list[ReplicaInfo] = ray.get(
-            [a.info.remote() for a in replicas], timeout=r.replica_start_timeout_s
-        )
-    except ray.exceptions.GetTimeoutError:
+def _replica_infos(
+    ray: Any, replicas: list[Any], r: RayConfig, who: str, stop: StopRequest | None
+) -> list[ReplicaInfo]:
+    """Each replica's URL once it serves; one line when they do not within r.replica_start_timeout_s. A stop
+    (`stop`) ends the wait (`StoppedBeforeRun`)."""
+    refs = [a.info.remote() for a in replicas]
+    if not _ready_within(ray, refs, r.replica_start_timeout_s, stop, "the engine replicas started"):
         raise UserError(
             f"{who}: the engine replicas did not start within ray.replica_start_timeout_s="
             f"{r.replica_start_timeout_s:g}"
-        ) from None
+        )
+    try:
+        infos: list[ReplicaInfo] = ray.get(refs)
     except ray.exceptions.RayError as e:
         raise RuntimeError(f"{who}: an engine replica failed to start: {e}") from None
     return infos
@@ -307,7 +382,7 @@ def bundles(cfg: RunConfig, cluster_has_gpus: bool) -> list[dict[str, float]]:
     )
 
 
-def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
+def place(ray: Any, cfg: RunConfig, target: str, stop: StopRequest | None = None) -> Placement:
     """What runs where, all in one placement group (ray.strategy: PACK by default):
 
         bundle i < N   engine replica i: an actor serving the engine over HTTP (`inference/server.py`'s app,
@@ -328,22 +403,29 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
     The result stream stays in the run's process (a group comes back through Ray's object store) unless
     pipeline.stream_url names one every worker reaches (redis://), so the default file stream in the run
     directory serves any cluster; only the weight files and the model need storage every node can read.
+    A stop (`stop`, a signal) before the run's actor starts ends the placement (`StoppedBeforeRun`).
     """
     has_gpus = ray.cluster_resources().get("GPU", 0) > 0
     shape = bundles(cfg, has_gpus)
-    fix = (
-        "Lower ray.num_engine_replicas, ray.engine_cpus (e.g. ray.engine_cpus=0.5), ray.trainer_cpus, "
+    # On a cluster without GPUs only a device set to cuda asks for one ("auto" then means the CPU).
+    devices = {"engine.device": cfg.engine.device, "trainer.device": cfg.trainer.device}
+    on_cpu = [f"{key}=cpu" for key, device in devices.items() if device.startswith("cuda")]
+    fix = Fixes(
+        cpus="Lower ray.num_engine_replicas, ray.engine_cpus (e.g. ray.engine_cpus=0.5), ray.trainer_cpus, "
         "ray.num_verifier_actors or ray.num_rollout_workers (or their *_cpus: a rollout worker needs little, "
-        "e.g. ray.rollout_worker_cpus=0.25), or add nodes"
+        "e.g. ray.rollout_worker_cpus=0.25), or add nodes",
+        no_gpus=f"Set {' '.join(on_cpu)} (or auto: a GPU only where the cluster has one)",
+        few_gpus="Lower ray.engine_gpus or ray.trainer_gpus (a fraction shares a GPU), "
+        "ray.num_engine_replicas or ray.num_trainer_ranks, or add GPU nodes",
     )
-    group = _reserve(ray, shape, cfg.ray, "launcher=ray", fix)
+    group = _reserve(ray, shape, cfg.ray, "launcher=ray", fix, stop)
 
     def on_bundle(index: int) -> Any:
         return _on_bundle(group, index)
 
     placed = Placement(ray, group, [], [], None, cfg, target, [], [], [])
     try:
-        _start_actors(ray, placed, shape, on_bundle)
+        _start_actors(ray, placed, shape, on_bundle, stop)
     except BaseException:
         placed.release()
         raise
@@ -352,7 +434,9 @@ def place(ray: Any, cfg: RunConfig, target: str) -> Placement:
     return placed
 
 
-def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on_bundle: Any) -> None:
+def _start_actors(
+    ray: Any, placed: Placement, shape: list[dict[str, float]], on_bundle: Any, stop: StopRequest | None
+) -> None:
     """The replicas on bundles 0..N-1 (waiting until each serves), the run's actor on bundle N, the other
     trainer ranks on the bundles after it."""
     cfg, n = placed.cfg, placed.cfg.ray.num_engine_replicas
@@ -374,6 +458,7 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
         num_cpus=shape[n]["CPU"],
         num_gpus=shape[n].get("GPU", 0.0),
         scheduling_strategy=on_bundle(n),
+        runtime_env=_engine_key_env(),  # its engine clients send the replicas' key
     ).remote()
     for k in range(1, cfg.ray.num_trainer_ranks):
         placed.ranks.append(
@@ -397,7 +482,8 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
                 scheduling_strategy=on_bundle(first + j),
             ).remote(concurrency)
         )
-    placed.infos = _replica_infos(ray, placed.replicas, cfg.ray, f"launcher=ray (loading {cfg.model.path})")
+    who = f"launcher=ray (loading {cfg.model.path})"
+    placed.infos = _replica_infos(ray, placed.replicas, cfg.ray, who, stop)
     placed.cfg = _for_actor(cfg, shape[n].get("GPU", 0.0), engine_urls=[info.url for info in placed.infos])
     worker_cls, first = ray.remote(RolloutWorker), first + cfg.ray.num_verifier_actors
     for w in range(cfg.ray.num_rollout_workers):
@@ -407,6 +493,7 @@ def _start_actors(ray: Any, placed: Placement, shape: list[dict[str, float]], on
                 num_cpus=shape[first + w]["CPU"],
                 max_restarts=-1,  # it holds nothing the run needs: always worth restarting
                 scheduling_strategy=on_bundle(first + w),
+                runtime_env=_engine_key_env(),  # its engine clients send the replicas' key
             ).remote(_for_actor(placed.cfg, 0.0), placed.target, placed.verifiers)
         )
 
@@ -454,8 +541,12 @@ class EngineReplica:
         torch.set_num_threads(threads)
         model, tokenizer = load_policy(cfg)
         engine = build_engine(cfg, model, tokenizer)
-        # Requests may read weights only from the run's weights directory.
-        server_cfg = EngineServerConfig(model_name=str(cfg.model.path), weights_dir=weights_dir)
+        # Requests may read weights only from the run's weights directory, and need the run's key: the
+        # replica listens on its node's address (`_engine_key_env`).
+        key = os.environ.get(API_KEY_ENV)
+        server_cfg = EngineServerConfig(
+            model_name=str(cfg.model.path), weights_dir=weights_dir, api_keys=[key] if key else []
+        )
         app = create_app(engine, load_tokenizer(str(cfg.model.path)), server_cfg, generation_stop_ids(model))
         self.process, self.server = None, ServerThread(app, host=host, port=port).start()
         self.url = self.server.url
@@ -1165,43 +1256,144 @@ def _import_ray() -> Any:
     return ray
 
 
+def ray_connection(cfg: RayConfig, key: str) -> contextlib.AbstractContextManager[None]:
+    """`_cluster` for a caller that connects before it places anything (`inflight serve --launcher ray`,
+    before its app starts); `key` names the address as the user gave it (--ray-address)."""
+    return _cluster(_import_ray(), cfg, key)
+
+
 @contextmanager
-def _cluster(ray: Any, cfg: RayConfig) -> Iterator[None]:
-    """Ray as ray.address says, for the run. A Ray this process had already started (a test's, a notebook's)
-    is used as it is and left running; one started here is shut down after the run."""
+def _cluster(ray: Any, cfg: RayConfig, key: str = "ray.address") -> Iterator[None]:
+    """Ray as ray.address says, for the run. A Ray this process had already started (a test's, a notebook's,
+    `ray_connection`'s) is used as it is and left running; one started here is shut down after the run.
+    Every wait is bounded: an address is first asked whether it is a Ray head that takes this process's
+    token (`_check_head`, within ray.connect_timeout_s), as ray.init's own retries are long or endless."""
     if ray.is_initialized():
         yield
         return
     address = cfg.address
     if address not in (None, "auto"):
-        _check_reachable(address, cfg.connect_timeout_s)
+        check_address(address, key)
+        _check_head(address, cfg.connect_timeout_s, key)
+    auth_error = getattr(ray.exceptions, "AuthenticationError", ())  # Ray >= 2.52
     try:
         # Unset: a new local cluster for this run ("local": never one that `ray start` left running here),
         # with this machine's CPUs and no dashboard.
-        if address is None:
-            ray.init(address="local", include_dashboard=False, log_to_driver=True)
-        else:
-            ray.init(address=address, log_to_driver=True)
+        with _signal_handlers_kept():
+            if address is None:
+                ray.init(address="local", include_dashboard=False, log_to_driver=True)
+            else:
+                ray.init(address=address, log_to_driver=True)
     except ConnectionError as e:
         raise UserError(
-            f"ray.address={address}: no Ray cluster found ({describe(e)}); start one with "
-            "`ray start --head`, or leave ray.address unset for a local Ray"
+            f"{key}={address}: no Ray cluster found ({describe(e)}); start one with "
+            f"`ray start --head`, or leave {key} unset for a local Ray"
         ) from None
+    except auth_error:  # RAY_AUTH_MODE=token, and no token to send
+        raise UserError(f"{key}={address}: {_token()[1]}") from None
     try:
         yield
     finally:
         ray.shutdown()
 
 
-def _check_reachable(address: str, timeout_s: float) -> None:
-    """A bounded TCP connect to HOST:PORT before Ray's own, much longer, retries."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        raise UserError(f"ray.address={address}: expected HOST:PORT (the head's GCS port), 'auto', or unset")
+@contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The SIGINT and SIGTERM handlers of before, again after the block (ray.init's). ray.init installs its
+    own SIGTERM handler, an exit with status 1, and under it Ray's C++ failure handler, which aborts: the
+    caller's own (`stop_on_signals`' graceful stop, uvicorn's drain, or the default) must stay in force.
+    The Ray processes a local ray.init starts die with this one anyway (Ray ties them to it), and
+    `_cluster` shuts them down on its way out."""
+    if threading.current_thread() is not threading.main_thread():  # Python's rule: no handlers to set
+        yield
+        return
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            if handler is not None:  # None: a handler not set from Python, which Python cannot set again
+                signal.signal(signum, handler)
+
+
+def check_address(address: str, key: str) -> None:
+    """One line when `address` (ray.address, or --ray-address as `key` says) is not HOST:PORT, "auto", or a
+    Ray Client URL (ray://HOST:PORT, which Ray reaches through the head's client server)."""
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme != "ray":
+        raise UserError(
+            f"{key}={address}: expected HOST:PORT (the head's GCS port, e.g. 10.0.0.5:6379) or auto, not a "
+            "URL (the one URL Ray takes is ray://HOST:PORT, its client server's)"
+        )
+    host, sep, port = (rest if sep else address).rpartition(":")
+    if address != "auto" and (not host or not sep or not port.isdigit()):
+        raise UserError(
+            f"{key}={address}: expected HOST:PORT (the head's GCS port, e.g. 10.0.0.5:6379), auto (the "
+            f"cluster this machine joined with `ray start`), or {key} unset for a local Ray"
+        )
+
+
+def _check_head(address: str, timeout_s: float, key: str) -> None:
+    """A bounded TCP connect to HOST:PORT, then (but for a ray:// URL) one gRPC call to the GCS there,
+    GetClusterId, Ray's own first question, with this process's token: whether a Ray head answers, and takes
+    the token. ray.init itself retries for ~20 s at a step, a line of log a try, and on a port that speaks
+    something else (an HTTP server, say) never gives up."""
+    client = address.startswith("ray://")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    deadline = time.monotonic() + timeout_s
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise UserError(
-            f"ray.address={address}: nothing answers there within {timeout_s:g} s ({describe(e)}); start the "
-            "cluster with `ray start --head`, or leave ray.address unset for a local Ray"
+            f"{key}={address}: nothing answers there within {timeout_s:g} s ({describe(e)}); start the "
+            f"cluster with `ray start --head`, or leave {key} unset for a local Ray"
         ) from None
+    if client:
+        return
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    messages: Any = gcs_service_pb2  # generated code, which the type checker does not see into
+    metadata, unauthenticated = _token()
+    with grpc.insecure_channel(address) as channel:
+        ask = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId
+        try:
+            left_s = max(deadline - time.monotonic(), 0.1)
+            ask(messages.GetClusterIdRequest(), timeout=left_s, metadata=metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise UserError(f"{key}={address}: {unauthenticated}") from None
+            raise UserError(
+                f"{key}={address}: something answers there, but not as a Ray head within {timeout_s:g} s "
+                f"({e.code().name}: {e.details()}); name the port of the head's GCS, the one `ray start "
+                "--head --port=PORT` opened (6379 by default)"
+            ) from None
+
+
+def _token() -> tuple[tuple[tuple[str, str], ...], str]:
+    """The gRPC metadata carrying this process's Ray token (none unless RAY_AUTH_MODE=token and a token is
+    found, as for Ray's own calls), and what to say when a cluster wants another."""
+    how = (
+        "the head's token (`ray get-auth-token` there prints it) in RAY_AUTH_TOKEN, in the file "
+        "RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token (docs/laptop-to-cluster.md)"
+    )
+    import ray._raylet
+
+    raylet: Any = ray._raylet  # its stubs predate token authentication
+    if not hasattr(raylet, "AuthenticationTokenLoader"):  # a Ray before token authentication (2.52)
+        return (), f"the cluster wants a token this Ray ({ray.__version__}) cannot send: install ray>=2.52"
+    loader = raylet.AuthenticationTokenLoader.instance()
+    if raylet.get_authentication_mode() != raylet.AuthenticationMode.TOKEN:
+        return (), (
+            "the cluster wants a token (Ray's token authentication, which `ray start --head` turns on) and "
+            f"this process sends none: set RAY_AUTH_MODE=token, with {how}"
+        )
+    try:
+        found = loader.has_token()
+    except Exception as e:  # none, or RAY_AUTH_TOKEN_PATH names a file it cannot read: Ray's first sentence
+        why = str(getattr(e, "message", e)).split(". ")[0]
+        return (), f"RAY_AUTH_MODE=token, but no token was found ({why}): give {how}"
+    if not found:
+        return (), f"RAY_AUTH_MODE=token, but no token was found: give {how}"
+    metadata = tuple(loader.get_token_for_http_header().items())
+    return metadata, f"the cluster refused this process's token (RAY_AUTH_MODE=token): give {how}"

@@ -5,7 +5,8 @@ flight, and the run then writes its checkpoint, evaluates and writes its summary
 with `stopped` naming the signal, so the same command resumes it (`run_dir=...`); one that comes before the
 first step (during the initial evaluation) trains none (`run.py`). A second signal is the
 old immediate exit (KeyboardInterrupt): nothing more is written, and the last periodic checkpoint is what a
-resume finds. Under `launcher=ray` the launcher forwards the request to the run's actor.
+resume finds. Under `launcher=ray` the launcher forwards the request to the run's actor; one that comes
+while Ray still places the actors ends the placement (`StoppedBeforeRun`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ class StopRequest:
 
     def wait(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s)
+
+
+class StoppedBeforeRun(Exception):
+    """A stop that came while a launcher was still preparing the run (under launcher=ray: while Ray placed
+    its actors): nothing ran and nothing was written, so the same command starts the run afresh. Its
+    message is the one line for stderr; the command exits as the signal says (130 / 143)."""
+
+    def __init__(self, reason: str, during: str) -> None:
+        super().__init__(
+            f"{reason}: stopped while {during}; nothing ran or was written (the same command starts the run)"
+        )
+        self.exit_code = 128 + signal.Signals[reason].value
 
 
 @contextlib.contextmanager
