@@ -34,6 +34,7 @@ import pytest
 from inflight.cli import main
 from inflight.config import apply_overrides
 from inflight.errors import UserError
+from inflight.inference.access import API_KEY_ENV
 from inflight.launch.ray import RAY_MISSING, bundles
 from inflight.orchestrator.target import resolve_target
 from inflight.trainer.checkpoint import checkpoint_step
@@ -54,6 +55,21 @@ def tiny_run(model_dir: Path, steps: int, warmup_steps: int = 20) -> list[str]:
         "eval.num_episodes=8",
         "pipeline.active_sampling=false",
     ]
+
+
+@pytest.fixture(autouse=True)
+def own_engine_key() -> Iterator[None]:
+    """The replicas' key a launcher makes for its process ($INFLIGHT_ENGINE_API_KEY, `_engine_key_env`)
+    stays this test's: later tests' serve-engine subprocesses, which inherit the environment, would
+    otherwise want it from clients that never had it. (monkeypatch.delenv records nothing to undo for a
+    variable that is not set yet.)"""
+    before = os.environ.pop(API_KEY_ENV, None)
+    try:
+        yield
+    finally:
+        os.environ.pop(API_KEY_ENV, None)
+        if before is not None:
+            os.environ[API_KEY_ENV] = before
 
 
 @pytest.fixture(scope="module")
