@@ -13,7 +13,9 @@ import ipaddress
 import os
 import socket
 from collections.abc import Sequence
+from typing import Annotated
 
+from pydantic import AfterValidator
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -66,6 +68,17 @@ def check_api_keys(api_keys: Sequence[str]) -> list[str]:
             "secret with --api-key (e.g. from `openssl rand -hex 32`), or no --api-key on a loopback host"
         )
     return list(api_keys)
+
+
+def _validated_keys(value: list[str]) -> list[str]:
+    try:
+        return check_api_keys(value)
+    except UserError as exc:  # pydantic reports ValueErrors as validation errors
+        raise ValueError(str(exc)) from None
+
+
+# A config's API keys (`ServiceConfig`, `EngineServerConfig`): a blank one is a validation error.
+ApiKeys = Annotated[list[str], AfterValidator(_validated_keys)]
 
 
 def keys_from(flags: Sequence[str], env_var: str) -> list[str]:

@@ -21,7 +21,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inflight.api.archives import ArchiveSigner
-from inflight.api.auth import check_api_keys, scope_tenant
+from inflight.api.auth import ApiKeys, scope_tenant
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SessionRow
 from inflight.api.futures import Future, FutureStore, RequestType
@@ -40,7 +40,7 @@ class ServiceConfig(BaseModel):
     base_models: dict[str, str] = Field(min_length=1)  # name clients use -> model dir or hub id
     state_dir: Path  # checkpoints, and the SQLite database unless db_url is set
     db_url: str | None = None
-    api_keys: list[str] = Field(default_factory=list)
+    api_keys: ApiKeys = Field(default_factory=list)
     long_poll_hold_s: float = Field(default=25.0, gt=0)
     # Bodies of the routes that carry training and sampling data (forward_backward, forward, asample),
     # which parse them in the thread pool; every other route's body (sessions, models, optimizer steps,
@@ -68,14 +68,6 @@ class ServiceConfig(BaseModel):
     # On SIGTERM/SIGINT or the lifespan's end: how long the futures in flight may take to finish before
     # they are failed (shutdown.py). Orchestrators should allow ~10 s more before they kill the process.
     shutdown_grace_s: float = Field(default=20.0, ge=0, allow_inf_nan=False)
-
-    @field_validator("api_keys")
-    @classmethod
-    def _no_blank_keys(cls, value: list[str]) -> list[str]:
-        try:
-            return check_api_keys(value)
-        except UserError as exc:  # pydantic reports ValueErrors as validation errors
-            raise ValueError(str(exc)) from None
 
     @field_validator("long_poll_hold_s")
     @classmethod

@@ -43,10 +43,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 
-from inflight.api.auth import check_api_keys
+from inflight.api.auth import ApiKeys
 from inflight.errors import UserError
 from inflight.inference.access import check_engine_listening, require_api_key
 from inflight.inference.adapter_files import read_adapter_dir
@@ -102,15 +102,7 @@ class EngineServerConfig(BaseModel):
     # When set, /update_weights and /set_adapter only read files under this directory.
     weights_dir: str | None = None
     # Accepted X-API-Key values; empty: every route open (serve() refuses that beyond loopback).
-    api_keys: list[str] = Field(default_factory=list, repr=False)
-
-    @field_validator("api_keys")
-    @classmethod
-    def _no_blank_keys(cls, value: list[str]) -> list[str]:
-        try:
-            return check_api_keys(value)
-        except UserError as exc:  # pydantic reports ValueErrors as validation errors
-            raise ValueError(str(exc)) from None
+    api_keys: ApiKeys = Field(default_factory=list, repr=False)
 
 
 class HTTPError(Exception):
