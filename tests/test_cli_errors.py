@@ -47,6 +47,13 @@ def test_serve_missing_model_directory(capsys, tmp_path: Path, no_weights) -> No
     assert str(missing) in line and "does not exist" in line
 
 
+def test_serve_one_base_model_name_given_twice(
+    capsys, tiny_model_dir: Path, tmp_path: Path, no_weights
+) -> None:
+    line = one_line_error(capsys, *serve(tiny_model_dir, tmp_path, "--base-model", f"tiny={tmp_path}"))
+    assert f"--base-model tiny= is given twice ({tiny_model_dir} and {tmp_path})" in line, line
+
+
 def test_serve_unknown_database_backend(capsys, tiny_model_dir: Path, tmp_path: Path, no_weights) -> None:
     line = one_line_error(capsys, *serve(tiny_model_dir, tmp_path, "--db", "foo://x"))
     assert "--db 'foo://x'" in line and "unknown database backend 'foo'" in line

@@ -717,6 +717,27 @@ def test_a_placement_larger_than_the_local_ray_is_one_line_at_once(
     assert len(err) == 1 and "needs 4 CPUs" in err[0] and "ray.rollout_worker_cpus=0.25" in err[0], err
 
 
+def test_serve_whose_engines_do_not_fit_beside_its_training_is_one_line_at_once(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inflight serve --launcher ray` places its training, then its engines, in the app's lifespan: two base
+    models' engines (a CPU each) beside the training's CPU on the module's 2-CPU Ray is one line naming what
+    `serve` can change and exit 2, at once (not uvicorn's traceback and status 3, nor after
+    ray.placement_timeout_s, 120 s); what was placed is released."""
+    capsys.readouterr()
+    started = time.monotonic()
+    models = [arg for name in ("a", "b") for arg in ("--base-model", f"{name}={tiny_model_dir}")]
+    argv = ["serve", *models, "--launcher", "ray", "--state-dir", str(tmp_path), "--port", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("inflight: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "the placement needs 3 CPUs" in errors[0] and "the local Ray has 2 CPUs" in errors[0], errors
+    assert "Serve fewer base models here, or serve on a cluster with more CPUs (--ray-address" in errors[0]
+    assert time.monotonic() - started < 60
+    wait_until_released(ray_cluster)
+
+
 def test_placement_bundles_follow_the_devices() -> None:
     cfg = resolve_target("blackjack").config()
     cpu = apply_overrides(cfg, ["ray.num_engine_replicas=2", "ray.engine_cpus=2"])

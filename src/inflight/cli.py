@@ -117,6 +117,11 @@ def _parse_base_models(items: list[str]) -> dict[str, str]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UserError(f"--base-model expects NAME=DIR_OR_HUB_ID, got {item!r}")
+        if name in models:  # the later one would replace the earlier without a word
+            raise UserError(
+                f"--base-model {name}= is given twice ({models[name]} and {path}): give each base model a "
+                "name of its own"
+            )
         models[name] = path
     return models
 

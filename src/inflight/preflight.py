@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inflight.errors import UserError
+from inflight.errors import UserError, describe
 
 if TYPE_CHECKING:
     import uvicorn
@@ -87,13 +87,77 @@ def serve_on(
     the app on a signal before it stops."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, **uvicorn_config)
+    startup = _StartupWatch(app)
+    config = uvicorn.Config(startup, host=host, port=port, **uvicorn_config)
     server = (make_server or uvicorn.Server)(config)
     _announce_when_serving(server, _url(host, sock.getsockname()[1]))
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn.run's behaviour: Ctrl-C is a clean stop
-        server.run(sockets=[sock])
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn.run's behaviour: Ctrl-C is a clean stop
+            server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's exit (status 3) when the app's startup failed
+        if startup.failed:
+            raise startup.failure() from None
+        raise
     if not server.started:
-        raise SystemExit(3)  # uvicorn's code for a failed startup; its log above says why
+        raise startup.failure()
+
+
+class _StartupWatch:
+    """`app` as uvicorn sees it, except that a failed lifespan startup (a placement Ray refused, an engine
+    that would not start: any exception) is kept for `serve_on` to raise as one line, where uvicorn would
+    log its traceback and exit with status 3. Every other message and scope passes through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.failed = False
+        self.error: Exception | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_quietly(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                self.failed = True
+                message = {"type": message["type"], "message": ""}  # the traceback uvicorn would log
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_quietly)
+        except Exception as e:
+            if not self.failed:  # at shutdown: uvicorn reports it, as before
+                raise
+            self.error = e
+
+    def failure(self) -> UserError:
+        """One line for the failed startup: a UserError as it is (it names the fix), anything else as its
+        type, its message's first line and where in inflight it was raised."""
+        if isinstance(self.error, UserError):
+            return self.error
+        if self.error is None:  # no exception to show: uvicorn's log above says what happened
+            return UserError("the server did not start (its log above says why); nothing is served")
+        return UserError(
+            f"the server did not start: {describe(self.error)} (raised at {_raised_at(self.error)}); "
+            "nothing is served: fix that and start it again"
+        )
+
+
+def _raised_at(exc: BaseException) -> str:
+    """FILE:LINE of the innermost frame of inflight's own code in `exc`'s traceback (else the innermost
+    frame), so that a failure without a fix of its own can still be found without its traceback."""
+    import traceback
+
+    import inflight
+
+    package = Path(inflight.__file__).parent
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if frame.filename != __file__]
+    if not frames:
+        return "an unknown place"
+    ours = [frame for frame in frames if Path(frame.filename).is_relative_to(package)]
+    frame = (ours or frames)[-1]
+    shown = Path(frame.filename).relative_to(package.parent) if ours else frame.filename
+    return f"{shown}:{frame.lineno}"
 
 
 def _url(host: str, port: int) -> str:

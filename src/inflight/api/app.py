@@ -212,8 +212,9 @@ def _remote_sampler(config: ServiceConfig, compute: Compute, engines: contextlib
     names = compute.base_model_names()
     vllm = config.engine == "vllm"
     if config.launcher == "ray":
-        from inflight.launch.ray import engines_on_ray
+        from inflight.launch.ray import RayCompute, engines_on_ray
 
+        held = [compute.bundle] if isinstance(compute, RayCompute) else []  # the training's, on the same Ray
         placed = {}
         for name in names:
             engine = EngineConfig.model_validate(compute.sampling_config(name).model_dump())
@@ -221,7 +222,7 @@ def _remote_sampler(config: ServiceConfig, compute: Compute, engines: contextlib
             placed[name] = (str(compute.model_info(name)["source"]), engine)
         weights_dir = str(config.state_dir / "weights")
         options = _vllm_options(config) if vllm else None
-        urls = engines.enter_context(engines_on_ray(placed, config.ray, weights_dir, vllm=options))
+        urls = engines.enter_context(engines_on_ray(placed, config.ray, weights_dir, vllm=options, held=held))
     else:
         urls = {name: _start_vllm(config, compute, name, limits[name].max_context, engines) for name in names}
     if vllm:

@@ -80,10 +80,15 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Abort the requests in flight (their futures get finish_reason "abort") and end the thread."""
+    def request_stop(self) -> None:
+        """Refuse new requests and have the thread abort those in flight at its next step (their futures
+        get finish_reason "abort"), without waiting: any thread, a signal handler's included."""
         self._stop.set()
         self._wake.set()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Abort the requests in flight (their futures get finish_reason "abort") and end the thread."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():

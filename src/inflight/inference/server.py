@@ -37,8 +37,10 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -87,6 +89,8 @@ from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdat
 from inflight.weight_sync.torch_dist import TorchDistSyncConfig
 
 log = logging.getLogger(__name__)
+# On a signal, once the engine loop is stopped: how long uvicorn waits for the connections still open.
+_CONNECTIONS_CLOSE_S = 5
 
 
 class EngineServerConfig(BaseModel):
@@ -132,6 +136,7 @@ class _EngineService:
     ) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.loop = EngineLoop(engine)
+        self.stopping: str | None = None  # why the server is shutting down (`begin_shutdown`), once it is
         self.counters = _ServerCounters()
         self._update_lock = threading.Lock()  # one update submission at a time: each gets its own ticket
         # Registered adapter -> version, kept here (not asked of the engine) so that any Engine backend
@@ -158,9 +163,25 @@ class _EngineService:
             except (UserError, TemplateError):  # turns end in plain text: replies end at EOS only
                 pass
 
+    def begin_shutdown(self, reason: str) -> None:
+        """A signal arrived: stop the engine loop without waiting (safe in a signal handler), so that the
+        generations in flight end at its next step and their handlers answer 503 at once; uvicorn would
+        otherwise wait for each to run to its max_tokens before it exits."""
+        if self.stopping is None:
+            self.stopping = reason
+            self.loop.request_stop()
+
+    def _shut_down(self, what: str) -> EngineLoopError:
+        """A 503 for a request the shutdown stopped: a pipeline's client retries it on another replica."""
+        return EngineLoopError(
+            f"the engine server is shutting down ({self.stopping}): {what}; retry on another replica"
+        )
+
     # -- generation ----------------------------------------------------------------------------------
     async def run(self, http_request: Request, requests: list[SampleRequest]) -> list[Completion]:
         """Submit all, then wait; aborts them on timeout, client disconnect or error."""
+        if self.stopping is not None:
+            raise self._shut_down("it takes no new requests")
         futures = []
         try:
             for request in requests:
@@ -184,7 +205,10 @@ class _EngineService:
                     )
                 done, _ = await asyncio.wait({waiter}, timeout=min(self.config.disconnect_poll_s, remaining))
                 if done:
-                    return list(waiter.result())
+                    completions = list(waiter.result())
+                    if self.stopping is not None and any(c.finish_reason == "abort" for c in completions):
+                        raise self._shut_down(f"{len(requests)} request(s) were stopped unfinished")
+                    return completions
                 if await http_request.is_disconnected():
                     raise _ClientGoneError()
         finally:
@@ -272,6 +296,8 @@ class _EngineService:
         # Polled, not signalled: the engine installs at its next step (one decode step away) and the
         # check is a counter read.
         while self.engine.metrics().updates_consumed < ticket:
+            if self.stopping is not None:
+                raise self._shut_down(f"weight version {update.version} was not installed")
             if self.loop.error is not None:
                 raise EngineLoopError(
                     f"the engine failed before installing weight version {update.version}: {self.loop.error}"
@@ -674,7 +700,8 @@ def serve(
     `max_lora_rank` and `max_logprobs` vLLM's. With `weights_dir`, weight and adapter updates by path read
     only files under it; with `parent_pid`, the server stops when that process (its parent: a launcher)
     is gone, so that a crashed run leaves no engine holding its memory. With `api_keys`, every route but
-    /health needs one; beyond loopback a key and `weights_dir` are required (`access.py`)."""
+    /health needs one; beyond loopback a key and `weights_dir` are required (`access.py`). SIGTERM/SIGINT
+    stop it within seconds: the generations in flight are stopped and answered 503 (`_StoppingServer`)."""
     from inflight.preflight import bind_port, check_model_dir, serve_on
 
     check_engine_listening(host, api_keys, weights_dir)
@@ -704,7 +731,31 @@ def serve(
         config = EngineServerConfig(model_name=model, weights_dir=weights_dir, api_keys=list(api_keys))
         app = create_app(engine, load_tokenizer(model), config, stop_ids)
         # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
-        serve_on(sock, app, host, port, log_level=log_level, access_log=False)
+        serve_on(
+            sock,
+            app,
+            host,
+            port,
+            make_server=lambda uvicorn_config: _StoppingServer(uvicorn_config, app.state.service),
+            log_level=log_level,
+            access_log=False,
+            # A bound on what stopping the engine loop does not end (a body still arriving, say).
+            timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
+        )
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn whose first SIGTERM/SIGINT also stops the engine loop (`begin_shutdown`), then stops as
+    uvicorn does: it stops listening, the handlers in flight answer 503 within an engine step, and the
+    process exits on the signal, within seconds whatever was generating."""
+
+    def __init__(self, config: uvicorn.Config, service: _EngineService) -> None:
+        super().__init__(config)
+        self._service = service
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._service.begin_shutdown(signal.Signals(sig).name)
+        super().handle_exit(sig, frame)
 
 
 def check_context(model: str, max_seq_len_tokens: int) -> None:

@@ -143,21 +143,23 @@ def engines_on_ray(
     ray_config: RayConfig,
     weights_dir: str,
     vllm: VllmOptions | None = None,
+    held: Sequence[Mapping[str, float]] = (),
 ) -> Iterator[dict[str, str]]:
     """`inflight serve --launcher ray`: the service's sampling engines placed on a Ray cluster, one
     `EngineReplica` actor per base model (name -> (model directory, engine config: the built-in engine, or
     vLLM with `vllm`'s options)) on a bundle of its own ({CPU: ray.engine_cpus} + ray.engine_gpus GPU when
     the engine's device is cuda) in one placement group (ray.strategy); yields name -> URL once every
-    engine serves, and releases actors and group on exit. The service itself (its API and its training)
-    stays in the calling process and reaches them over HTTP."""
+    engine serves, and releases actors and group on exit. The service itself (its API) stays in the calling
+    process and reaches them over HTTP. `held`: the bundles the service reserved already (its training's),
+    which a local Ray must hold beside these."""
     ray = _import_ray()
     from ray.util.placement_group import remove_placement_group
 
     with _cluster(ray, ray_config):
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         shape = [_engine_bundle(ray_config, config.device, has_gpus) for _, config in engines.values()]
-        fix = Fixes("Add nodes or lower ray.engine_cpus", *SERVE_FIXES)
-        group = _reserve(ray, shape, ray_config, "serve --launcher ray", fix)
+        fix = Fixes(f"Serve fewer base models here, or serve on {MORE_CPUS}", *SERVE_FIXES)
+        group = _reserve(ray, shape, ray_config, "serve --launcher ray", fix, held=held)
         actors: list[Any] = []
         try:
             replica_cls = ray.remote(EngineReplica)
@@ -194,7 +196,7 @@ def compute_on_ray(
     with _cluster(ray, ray_config):
         gpu = _on_gpu(config.device, ray.cluster_resources().get("GPU", 0) > 0)
         shape = [{"CPU": ray_config.trainer_cpus} | ({"GPU": ray_config.trainer_gpus} if gpu else {})]
-        fix = Fixes("Add nodes or lower ray.trainer_cpus", *SERVE_FIXES)
+        fix = Fixes(f"Serve on {MORE_CPUS}", *SERVE_FIXES)
         group = _reserve(ray, shape, ray_config, "serve --launcher ray (training)", fix)
         actor = None
         try:
@@ -209,7 +211,7 @@ def compute_on_ray(
                 )
                 .remote(base_models, max_rank, placed, max(1, int(ray_config.trainer_cpus)))
             )
-            compute = RayCompute(actor, ray_config.trainer_collective_timeout_s)
+            compute = RayCompute(actor, ray_config.trainer_collective_timeout_s, bundle=shape[0])
             print(
                 f"inflight: ray: training of {', '.join(base_models)} in actor serve-{os.getpid()}:trainer",
                 file=sys.stderr,
@@ -235,6 +237,8 @@ class Fixes:
     few_gpus: str
 
 
+# What `inflight serve` can change when the CPUs are short: ray.*_cpus are not among its options.
+MORE_CPUS = "a cluster with more CPUs (--ray-address HOST:PORT, docs/laptop-to-cluster.md)"
 SERVE_FIXES = (
     "Serve with --device cpu (or auto: a GPU only where the cluster has one)",
     "Serve with --device cpu, or add GPU nodes",
@@ -248,20 +252,23 @@ def _reserve(
     who: str,
     fix: Fixes,
     stop: StopRequest | None = None,
+    held: Sequence[Mapping[str, float]] = (),
 ) -> Any:
     """A placement group of `shape` (r.strategy), ready; one line naming the shape, what the cluster has and
-    the fix when it cannot hold it within r.placement_timeout_s (a local Ray, which never grows: at once). A
-    stop (`stop`, set by a signal) ends the wait (`StoppedBeforeRun`); the group goes either way."""
+    the fix when it cannot hold it within r.placement_timeout_s (a local Ray, which never grows: at once,
+    counting the bundles the caller `held` already, which it keeps). A stop (`stop`, set by a signal) ends
+    the wait (`StoppedBeforeRun`); the group goes either way."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     totals = ray.cluster_resources()
     gpus = totals.get("GPU", 0.0)
     gpus_fix = fix.few_gpus if gpus else fix.no_gpus
     for resource, wanted in (("GPU", gpus_fix), ("CPU", fix.cpus)):
-        needed, total = sum(b.get(resource, 0.0) for b in shape), totals.get(resource, 0.0)
+        needed, total = sum(b.get(resource, 0.0) for b in [*held, *shape]), totals.get(resource, 0.0)
         if r.address is None and needed > total:  # a local Ray never grows: fail now, not after the wait
+            beside = f" beside the {list(held)} held already" if held else ""
             raise UserError(
-                f"{who}: the placement needs {needed:g} {resource}s ({shape}) but the local Ray has "
+                f"{who}: the placement needs {needed:g} {resource}s ({shape}{beside}) but the local Ray has "
                 f"{_count(total)} {resource}s (this machine's). {wanted}"
             )
     group = placement_group(shape, strategy=r.strategy)
@@ -871,10 +878,11 @@ class RayCompute:
     for at most `timeout_s`; an exception raised there is raised here as itself (a UserError stays a
     4xx), a lost actor as RuntimeError naming it. Called from the worker thread only, as ServiceCompute."""
 
-    def __init__(self, actor: Any, timeout_s: float) -> None:
+    def __init__(self, actor: Any, timeout_s: float, bundle: Mapping[str, float]) -> None:
         import ray
 
         self._ray, self._actor, self._timeout_s = ray, actor, timeout_s
+        self.bundle = dict(bundle)  # what the actor's placement reserved (the engines' is placed beside it)
         self._config: ServiceComputeConfig = self._get(actor.settings.remote(), "settings")
 
     @property
