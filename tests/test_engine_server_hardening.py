@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -296,3 +297,15 @@ def test_serve_engine_options_are_checked_before_any_weight_is_read(
 ) -> None:
     line = one_line_error(capsys, "serve-engine", "--model", str(tiny_model_dir), "--port", "0", *args)
     assert message in line, line
+
+
+def test_serve_engine_with_a_parent_pid_that_is_not_its_parent_says_what_the_flag_is_for(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, no_weights: None
+) -> None:
+    """--parent-pid is the launcher's own pid (`EngineProcess`): a wrong one named the problem, and now the
+    fix too."""
+    not_the_parent = str(os.getpid())  # serve-engine runs in this process, whose parent is another
+    argv = ["serve-engine", "--model", str(tiny_model_dir), "--port", "0", "--parent-pid", not_the_parent]
+    line = one_line_error(capsys, *argv)
+    assert f"--parent-pid {not_the_parent} is not this process's parent ({os.getppid()})" in line, line
+    assert "its own live pid" in line and "or drop --parent-pid" in line, line

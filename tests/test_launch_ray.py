@@ -961,6 +961,49 @@ def test_gpus_asked_of_a_ray_without_any_are_one_line_naming_the_devices(
     wait_until_released(ray_cluster)
 
 
+# A Ray of two logical GPUs on this machine (Ray gives a GPU bundle whatever CUDA says), serving: a child
+# process, since the module's Ray has none and one process holds one Ray.
+SERVE_ON_A_RAY_WITH_GPUS = """
+import sys, tempfile, ray
+from inflight.cli import main
+temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=temp_dir)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_checks_a_cuda_device_against_the_clusters_gpus_not_this_machines(
+    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inflight serve --launcher ray --device cuda[:N]` on a head without a GPU was refused for this
+    machine's lack of CUDA, whatever the cluster had. On the module's Ray, which has no GPUs: one line
+    saying so and naming the fix, at once, and no state directory written. On a Ray with GPUs: the head
+    lets it through, and the service's training is placed in its actor on a GPU bundle (whose torch, on a
+    machine without CUDA, then refuses to start it: the line is the actor's, not the head's check)."""
+    import torch
+
+    from conftest import one_line_error
+
+    if ray_cluster.cluster_resources().get("GPU") or torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    serve = ["serve", "--base-model", f"tiny={tiny_model_dir}", "--launcher", "ray", "--port", "0"]
+    for device in ("cuda", "cuda:1"):
+        started = time.monotonic()
+        line = one_line_error(capsys, *serve, "--device", device, "--state-dir", str(tmp_path / "state"))
+        assert f"--device={device!r} but the local Ray (this machine's) has no GPUs" in line, line
+        assert "serve with --device cpu (or auto), or on a cluster with GPUs (--ray-address" in line, line
+        assert time.monotonic() - started < 30 and not (tmp_path / "state").exists()
+    argv = [*serve, "--device", "cuda:1", "--state-dir", str(tmp_path / "on-gpus")]
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE_ON_A_RAY_WITH_GPUS, *argv], capture_output=True, text=True, timeout=240,
+        env=child_env(),
+    )  # fmt: skip
+    errors = [line for line in done.stderr.splitlines() if line.startswith("inflight: error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr
+    assert "the service's training actor is gone" in errors[0] and "ComputeActor" in errors[0], errors
+    wait_until_released(ray_cluster)
+
+
 def test_ray_addresses_take_host_and_port_auto_or_a_ray_client_url() -> None:
     from inflight.launch.ray import check_address
 

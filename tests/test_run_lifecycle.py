@@ -283,3 +283,58 @@ def test_a_refused_resume_leaves_the_run_directory_untouched(
         said = [line for line in err.splitlines() if line.startswith("inflight: ")]
         assert len(said) == 1 and said[0].startswith("inflight: error: ") and expected in said[0], err
         assert "Traceback" not in err
+
+
+def test_a_refused_resume_on_the_vllm_engine_starts_no_engine_and_writes_nothing(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """engine.backend=vllm: the launcher started its vLLM process, which creates RUN_DIR/weights, before the
+    run checked its directory, so a refused resume left weights/ behind. It starts once the run is accepted
+    now (`run`'s `engines`): refused by the checkpoint's step or by the model, nothing is written and no
+    engine starts (so vLLM need not be installed for this test)."""
+    task, run_dir = write_task(tmp_path, "varied"), tmp_path / "run"
+    assert main(argv(task, tiny_model_dir, run_dir, 1, "mode=async")) == 0
+    other = other_model(tiny_model_dir, tmp_path / "other-model")
+    on_vllm = ("mode=async", "engine.backend=vllm")
+    for command, expected in [
+        (argv(task, tiny_model_dir, run_dir, 0, *on_vllm), "past grpo.steps=0"),
+        (argv(task, other, run_dir, 2, *on_vllm), "was trained from a different model"),
+    ]:
+        before = snapshot(run_dir)
+        capsys.readouterr()
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert snapshot(run_dir) == before, err
+        said = [line for line in err.splitlines() if line.startswith(("inflight: ", "engine.backend=vllm: "))]
+        assert len(said) == 1 and said[0].startswith("inflight: error: ") and expected in said[0], err
+
+
+def test_a_lora_checkpoint_of_another_base_model_or_rank_is_refused_before_anything_is_written(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A LoRA run without a warm-up (no saved full model to compare): its adapter's tensors, read from the
+    safetensors header, must fit the model's layers and trainer.lora_rank. Before, only the full-model
+    checkpoint was checked up front; the adapter was refused as it loaded, after config.json was rewritten
+    and "resuming" said, in a line naming no fix."""
+    task, run_dir = write_task(tmp_path, "varied"), tmp_path / "run"
+    lora = ("trainer.lora_rank=4", "warmup.sft_steps=0")
+    assert main(argv(task, tiny_model_dir, run_dir, 1, *lora)) == 0
+    other = other_model(tiny_model_dir, tmp_path / "other-model")
+    for command, expected in [
+        (
+            argv(task, other, run_dir, 2, *lora),
+            ["holds a LoRA adapter of a different base model", "resume with the run's own model.path"],
+        ),
+        (
+            argv(task, tiny_model_dir, run_dir, 2, *lora, "trainer.lora_rank=8"),
+            ["holds a rank-4 LoRA adapter, but trainer.lora_rank=8: resume with trainer.lora_rank=4"],
+        ),
+    ]:
+        before = snapshot(run_dir)
+        capsys.readouterr()
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert snapshot(run_dir) == before, err
+        said = [line for line in err.splitlines() if line.startswith("inflight: ")]
+        assert len(said) == 1 and said[0].startswith("inflight: error: "), err
+        assert all(fragment in said[0] for fragment in expected), said

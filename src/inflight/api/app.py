@@ -18,7 +18,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -343,26 +343,31 @@ def serve(
     )
     for path in base_models.values():  # a missing directory: a path check, answered before torch loads
         check_model_dir(path)
-    from inflight.models.device import resolve_device
+    from inflight.models.device import check_device_name, resolve_device
 
-    resolve_device(device, "--device")  # a device this machine lacks: one line, before anything loads
-    ensure_dir(config.state_dir, "--state-dir")
-    check_database(config.database_url, "--db" if db_url else "the database in --state-dir")
-    with contextlib.closing(bind_port(host, port)) as sock, _ray_connected(config):
-        # Loaded before uvicorn starts, so that a model that fails to load is one line (on Ray: at start).
-        app = create_app(config, compute=load_compute(config) if launcher == "local" else None)
-        _log_requests_to_stdout()
-        serve_on(
-            sock,
-            app,
-            host,
-            port,
-            make_server=lambda uvicorn_config: GracefulServer(uvicorn_config, app.state.shutdown),
-            log_level="info",
-            access_log=False,
-            # After the drain every future is finished, so the long-polls still open answer at once.
-            timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
-        )
+    if launcher == "local":
+        resolve_device(device, "--device")  # a device this machine lacks: one line, before anything loads
+    else:  # the cluster's GPUs, not this machine's: checked once connected (`_ray_connected`)
+        check_device_name(device, "--device")
+    # Connected first: a device the cluster lacks is refused before the state directory is written.
+    with _ray_connected(config):
+        ensure_dir(config.state_dir, "--state-dir")
+        check_database(config.database_url, "--db" if db_url else "the database in --state-dir")
+        with contextlib.closing(bind_port(host, port)) as sock:
+            # Loaded before uvicorn starts, so that a model that fails to load is one line (on Ray: at start).
+            app = create_app(config, compute=load_compute(config) if launcher == "local" else None)
+            _log_requests_to_stdout()
+            serve_on(
+                sock,
+                app,
+                host,
+                port,
+                make_server=lambda uvicorn_config: GracefulServer(uvicorn_config, app.state.shutdown),
+                log_level="info",
+                access_log=False,
+                # After the drain every future is finished, so the long-polls still open answer at once.
+                timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
+            )
 
 
 def _log_requests_to_stdout() -> None:
@@ -378,16 +383,21 @@ def _log_requests_to_stdout() -> None:
     logger.propagate = False  # one copy, whatever the root logger does
 
 
-def _ray_connected(config: ServiceConfig) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _ray_connected(config: ServiceConfig) -> Iterator[None]:
     """--launcher ray: the cluster connected before uvicorn starts (the engines and the training are placed
     in the app's lifespan, on this connection), so that an address that is no Ray head, or a token it
     refuses, is one line naming --ray-address, and so that uvicorn's signal handlers are set after Ray's,
-    and a SIGTERM drains the service."""
+    and a SIGTERM drains the service. --device is checked here, against the cluster's GPUs (a head without
+    a GPU serves on a cluster with some)."""
     if config.launcher != "ray":
-        return contextlib.nullcontext()
-    from inflight.launch.ray import ray_connection
+        yield
+        return
+    from inflight.launch.ray import check_serve_device, ray_connection
 
-    return ray_connection(config.ray, "--ray-address")
+    with ray_connection(config.ray, "--ray-address"):
+        check_serve_device(config.device, config.ray)
+        yield
 
 
 def load_compute(config: ServiceConfig) -> ServiceCompute:

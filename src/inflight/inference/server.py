@@ -792,7 +792,11 @@ def stop_with_parent(parent_pid: int, poll_s: float = 0.5, grace_s: float = 10.0
         os._exit(1)
 
     if os.getppid() != parent_pid:
-        raise UserError(f"--parent-pid {parent_pid} is not this process's parent ({os.getppid()})")
+        raise UserError(
+            f"--parent-pid {parent_pid} is not this process's parent ({os.getppid()}): the flag is for the "
+            "launcher that starts serve-engine, which passes its own live pid so that the server stops when "
+            "it exits; pass the pid of the process that starts this one, or drop --parent-pid"
+        )
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 

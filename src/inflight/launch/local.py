@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,9 @@ if TYPE_CHECKING:
 
 def run_local(cfg: RunConfig, task: Task, stop: StopRequest | None = None) -> dict[str, Any]:
     """`orchestrator.run.run(cfg, task)`, with the vLLM engine process when cfg.engine.backend is vllm;
-    `stop` ends its training early (a signal)."""
+    `stop` ends its training early (a signal). The engine starts once the run accepts its run directory
+    (`run`'s `engines`): it reads weights from RUN_DIR/weights, which it creates, and a refused resume
+    writes nothing there."""
     from inflight.orchestrator.run import run
 
     if cfg.engine.backend != "vllm":
@@ -36,8 +40,7 @@ def run_local(cfg: RunConfig, task: Task, stop: StopRequest | None = None) -> di
     # Half the cores for the engine, the rest for the trainer: two processes each spinning OpenMP threads
     # on every core slow each other down many times over.
     threads = max(1, (os.cpu_count() or 2) // 2)
-    print(f"engine.backend=vllm: starting the vLLM engine for {model_dir} ...", file=sys.stderr, flush=True)
-    with EngineProcess(
+    engine = EngineProcess(
         model_dir,
         backend="vllm",
         max_batch_size=cfg.engine.max_batch_size,
@@ -45,12 +48,19 @@ def run_local(cfg: RunConfig, task: Task, stop: StopRequest | None = None) -> di
         threads=threads,
         max_restarts=cfg.engine.max_restarts,
         weights_dir=Path(placed.run_dir) / "weights",
-    ) as engine:
-        print(f"engine.backend=vllm: serving at {engine.url}", file=sys.stderr, flush=True)
-        placed.pipeline.engine_urls = [engine.url]
+    )
 
-        def restarts() -> dict[str, float]:  # the keys launch/ray.py's ReplicaWatch logs
-            up = float(engine.alive())
-            return {"engine_replica_restarts": float(engine.restarts), "engine_replicas_up": up}
+    @contextmanager
+    def started(accepted: RunConfig) -> Iterator[RunConfig]:
+        print(f"engine.backend=vllm: starting the vLLM engine for {model_dir} ...", file=sys.stderr)
+        with engine:
+            print(f"engine.backend=vllm: serving at {engine.url}", file=sys.stderr, flush=True)
+            on_engine = accepted.model_copy(deep=True)
+            on_engine.pipeline.engine_urls = [engine.url]
+            yield on_engine
 
-        return run(placed, task, launcher_metrics=restarts, stop=stop)
+    def restarts() -> dict[str, float]:  # the keys launch/ray.py's ReplicaWatch logs
+        up = float(engine.alive())
+        return {"engine_replica_restarts": float(engine.restarts), "engine_replicas_up": up}
+
+    return run(placed, task, launcher_metrics=restarts, stop=stop, engines=started)

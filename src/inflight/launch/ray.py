@@ -223,6 +223,20 @@ def compute_on_ray(
             remove_placement_group(group)
 
 
+def check_serve_device(device: str, r: RayConfig) -> None:
+    """`inflight serve --launcher ray --device`: a cuda device (cuda:N too: an actor sees its GPU as cuda:0)
+    checked against the GPUs of the Ray this process is connected to, not this machine's. A local Ray
+    without any is one line naming the fix, before anything is placed or written; a cluster at an address
+    is left to the placement's bounded wait (`_reserve`): an autoscaler may add GPU nodes."""
+    if not device.startswith("cuda") or r.address is not None:
+        return
+    if not _import_ray().cluster_resources().get("GPU", 0):
+        raise UserError(
+            f"--device={device!r} but the local Ray (this machine's) has no GPUs: serve with --device cpu "
+            "(or auto), or on a cluster with GPUs (--ray-address HOST:PORT)"
+        )
+
+
 def _engine_bundle(r: RayConfig, device: str, cluster_has_gpus: bool) -> dict[str, float]:
     return {"CPU": r.engine_cpus} | ({"GPU": r.engine_gpus} if _on_gpu(device, cluster_has_gpus) else {})
 

@@ -11,21 +11,31 @@ import torch
 from inflight.errors import UserError
 
 
+def check_device_name(name: str, key: str = "device") -> torch.device | None:
+    """The device `name` spells (None for `auto`), whichever machine it is for: a device placed elsewhere
+    (on a Ray cluster) is checked against that machine by its launcher. A name other than auto, cpu, cuda
+    or cuda:N is a UserError naming the config `key` and the fix."""
+    if name == "auto":
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"{key}={name!r} is not a device name: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"{key}={name!r}: only cpu and cuda devices are supported; use auto, cpu or cuda")
+    return device
+
+
 def resolve_device(name: str, key: str = "device") -> torch.device:
     """`auto` -> cuda if available, else cpu; `cpu`, `cuda`, `cuda:N` as torch spells them.
 
     A device this machine lacks is a UserError naming it, the config `key` that asked for it, and the fix.
     """
-    if name == "auto":
+    device = check_device_name(name, key)
+    if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"{key}={name!r} is not a device name: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cpu":
         return device
-    if device.type != "cuda":
-        raise UserError(f"{key}={name!r}: only cpu and cuda devices are supported; use auto, cpu or cuda")
     if not torch.cuda.is_available():
         raise UserError(f"{key}={name!r} but this machine has no CUDA device: set {key}=cpu (or auto)")
     count = torch.cuda.device_count()

@@ -375,6 +375,15 @@ class MultiLoraLinear(nn.Module):
         return out if delta is None else out + delta
 
 
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(module name, layer) of `model`'s LoRA-able linear layers (attention, MLP, LM head), unwrapped."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_SUFFIXES
+    ]
+
+
 def attach_multi_lora(model: nn.Module) -> tuple[LoraRouter, dict[str, tuple[int, int]]]:
     """Freeze `model` and wrap its LoRA-able linear layers (attention, MLP, LM head) in place.
 
@@ -383,11 +392,7 @@ def attach_multi_lora(model: nn.Module) -> tuple[LoraRouter, dict[str, tuple[int
     """
     model.requires_grad_(False)
     router = LoraRouter()
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_SUFFIXES
-    ]
+    targets = lora_layers(model)
     if not targets:
         raise ValueError(
             f"{type(model).__name__} has no linear layers named {', '.join(LORA_SUFFIXES)}: "

@@ -25,6 +25,16 @@ def peft_key(module: str, which: str) -> str:
     return f"base_model.model.{module}.lora_{which}.weight"
 
 
+def split_peft_key(key: str) -> tuple[str, str] | None:
+    """(module, "A" or "B") of a name `peft_key` writes; None for any other name."""
+    prefix = "base_model.model."
+    for which in "AB":
+        suffix = f".lora_{which}.weight"
+        if key.startswith(prefix) and key.endswith(suffix):
+            return key[len(prefix) : -len(suffix)], which
+    return None
+
+
 def select_targets(
     shapes: ModuleShapes,
     train_attn: bool,

@@ -54,6 +54,10 @@ from inflight.trainer.process import StepTrainer, TrainerProcess
 if TYPE_CHECKING:
     import torch
 
+# A launcher's engines, started once the run is accepted: given the run's config, a context that yields it
+# as the run goes on with (pipeline.engine_urls naming them) and stops them on exit.
+StartEngines = Callable[[RunConfig], contextlib.AbstractContextManager[RunConfig]]
+
 
 def train(
     parts: LoopParts,
@@ -82,6 +86,7 @@ def run(
     make_trainer: Callable[[RunConfig, torch.nn.Module, object], StepTrainer] | None = None,
     players: GroupPlayer | None = None,
     stop: StopRequest | None = None,
+    engines: StartEngines | None = None,
 ) -> dict[str, Any]:
     """Train `task` as `cfg` says; returns the summary (also in RUN_DIR/summary.json).
 
@@ -90,17 +95,19 @@ def run(
     (logged with every pipeline step) and `make_trainer` building the trainer over the warmed-up model
     (there: data-parallel ranks in actors of their own; by default `build_loop_trainer`) and `players`
     playing the pipeline's groups (there: rollout workers in actors of their own; by default the
-    pipeline's event loop). `stop`, once set (a signal: `stopping.py`), ends the warm-up or the training
-    after the step in flight; a stopped training then checkpoints, evaluates and summarizes as usual, a
-    stopped warm-up saves its state (RUN_DIR/warmup) and summarizes, `stopped` naming the signal. Set
-    during the initial evaluation, it lets the evaluation finish (logged) and trains no step.
+    pipeline's event loop). `engines` starts a launcher's engines (`launch/local.py`'s vLLM process) once
+    the run is accepted, since they write into the run directory. `stop`, once set (a signal:
+    `stopping.py`), ends the warm-up or the training after the step in flight; a stopped training then
+    checkpoints, evaluates and summarizes as usual, a stopped warm-up saves its state (RUN_DIR/warmup) and
+    summarizes, `stopped` naming the signal. Set during the initial evaluation, it lets the evaluation
+    finish (logged) and trains no step.
 
     A run directory with a checkpoint is resumed: the warm-up is loaded from RUN_DIR/warmup rather than
     trained again, and the initial evaluation is the one metrics.jsonl holds (the checkpoint's weights are
     no longer the initial policy; a run stopped before its first step logged it too). A run directory of
     another task, a checkpoint past cfg.grpo.steps, or a checkpoint or saved warm-up that the model cannot
-    continue (another model's, or a full model under trainer.lora_rank > 0 and the reverse) is refused
-    before anything is written into it."""
+    continue (another model's, a full model under trainer.lora_rank > 0 and the reverse, or an adapter of
+    another rank) is refused before anything is written into it, and before `engines` start."""
     t0 = time.perf_counter()
     train_problems = load_split(task, "train")
     test_problems = load_split(task, "test") if cfg.eval.num_episodes else []
@@ -122,9 +129,11 @@ def run(
         _check_resumable(cfg, run_dir, model)
         if first_step:
             _note(f"resuming from the checkpoint at step {first_step} ({path / 'checkpoint'})")
-        (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
-        # Closed however the run ends: a W&B run is finished, TensorBoard flushed.
+        # Closed however the run ends: a W&B run is finished, TensorBoard flushed, the engines stopped.
         with contextlib.ExitStack() as stack:
+            if engines is not None:  # accepted: only now may they write (RUN_DIR/weights)
+                cfg = stack.enter_context(engines(cfg))
+            (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
             logger = stack.enter_context(
                 contextlib.closing(MetricsLogger(run_dir, cfg.metrics, cfg.model_dump()))
             )

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from safetensors import SafetensorError, safe_open
 
 from inflight.errors import UserError
+from inflight.models.lora import lora_layers
+from inflight.models.lora_adapter import split_peft_key
 from inflight.trainer.adapter_checkpoint import ADAPTER_FILE
 from inflight.trainer.policy import OPTIMIZER, WEIGHTS
 
@@ -103,18 +105,20 @@ def resume_checkpoint(trainer: Trainer, path: str | Path) -> dict[str, Any]:
 
 def check_resumable(path: str | Path, model: torch.nn.Module, lora_rank: int) -> None:
     """UserError when the newest checkpoint at `path` cannot continue training `model` with
-    trainer.lora_rank=`lora_rank`: it holds the other kind of weights (a LoRA adapter, a full model), or a
-    full model of other tensors (names or shapes). Nothing without a checkpoint. Reads file names and the
+    trainer.lora_rank=`lora_rank`: it holds the other kind of weights (a LoRA adapter, a full model), a
+    full model of other tensors (names or shapes), or an adapter of another base model or rank. `model`
+    is as loaded, before LoRA wraps its layers. Nothing without a checkpoint. Reads file names and the
     safetensors header only, so a run asks before it writes into its run directory; `load_checkpoint` asks
-    the same again."""
+    the same again (an adapter's tensors: as they load)."""
     found = find_checkpoint(path)
     if found is None:
         return
     _check_kind(found, lora_rank)
-    if lora_rank:
-        return
     try:
-        _check_same_model(model, found)
+        if lora_rank:
+            _check_adapter_fits(model, found, lora_rank)
+        else:
+            _check_same_model(model, found)
     except (SafetensorError, OSError) as e:  # a header damaged since the save
         raise _unreadable(found, e) from None
 
@@ -238,4 +242,39 @@ def _check_same_model(model: torch.nn.Module, path: Path) -> None:
         raise OtherModelError(
             f"checkpoint {path} was trained from a different model ({len(differ)} of its tensors differ, "
             f"e.g. {example}:{shapes}): resume with the run's own model.path, or move {path} away"
+        )
+
+
+def _check_adapter_fits(model: torch.nn.Module, path: Path, lora_rank: int) -> None:
+    """OtherModelError when the LoRA adapter at `path` adapts layers that `model` (unwrapped) lacks, or of
+    other shapes: it was trained on another base model; UserError when its rank is not `lora_rank`. Reads
+    only the safetensors header."""
+    ours = {name: (layer.in_features, layer.out_features) for name, layer in lora_layers(model)}
+    with safe_open(str(path / ADAPTER_FILE), "pt") as f:
+        theirs = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    differ: list[tuple[str, tuple[int, ...], tuple[int, ...] | str]] = []
+    ranks: set[int] = set()
+    for key, shape in sorted(theirs.items()):
+        parsed = split_peft_key(key)
+        if parsed is None or parsed[0] not in ours or len(shape) != 2:
+            differ.append((key, shape, "absent"))
+            continue
+        (fan_in, fan_out), which = ours[parsed[0]], parsed[1]
+        rank = shape[0] if which == "A" else shape[1]
+        expected = (rank, fan_in) if which == "A" else (fan_out, rank)
+        ranks.add(rank)
+        if shape != expected:
+            differ.append((key, shape, expected))
+    if differ:
+        key, there, here = differ[0]
+        raise OtherModelError(
+            f"checkpoint {path} holds a LoRA adapter of a different base model ({len(differ)} of its tensors "
+            f"do not fit, e.g. {key}: {there} there, {here} here): resume with the run's own model.path, or "
+            f"move {path} away"
+        )
+    if ranks and ranks != {lora_rank}:
+        rank = max(ranks)
+        raise UserError(
+            f"checkpoint {path} holds a rank-{rank} LoRA adapter, but trainer.lora_rank={lora_rank}: resume "
+            f"with trainer.lora_rank={rank}, or move the checkpoint away to start from step 0"
         )
