@@ -154,6 +154,27 @@ def test_bad_value_fails_before_the_model_loads(
     assert not (tmp_path / "run").exists()
 
 
+def test_one_engine_url_as_typed_is_a_list_of_one_and_a_list_error_shows_the_syntax() -> None:
+    """A QA pass: `pipeline.engine_urls=http://host:port` got pydantic's "Input should be a valid list", which
+    shows no list. One URL is now a list of one; what cannot be one is refused naming the list syntax, the
+    shell's quotes included."""
+    one = apply_overrides(RunConfig(), ["pipeline.engine_urls=http://127.0.0.1:8000"])
+    assert one.pipeline.engine_urls == ["http://127.0.0.1:8000"]
+    listed = apply_overrides(RunConfig(), ['pipeline.engine_urls=["http://a:1", "http://b:2"]'])
+    assert listed.pipeline.engine_urls == ["http://a:1", "http://b:2"]
+    assert apply_overrides(RunConfig(), ["pipeline.engine_urls="]).pipeline.engine_urls == []
+
+    syntax = """pipeline.engine_urls='["http://HOST:PORT", "http://HOST2:PORT"]'"""
+    assert refusal("pipeline.engine_urls=http://a:1,http://b:2") == (
+        "invalid config at pipeline.engine_urls: 'http://a:1,http://b:2' is not one URL: give several as a "
+        f"JSON list, quoted for the shell: {syntax}"
+    )
+    assert refusal("pipeline.engine_urls=8000") == (
+        """invalid config at pipeline.engine_urls: must be a JSON list, quoted for the shell: """
+        """pipeline.engine_urls='["..."]'; got 8000"""
+    )
+
+
 # -- typos get the close match ---------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ Reference: math-verify 0.9 (`math_verify.parse` / `verify`), which decides equiv
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from pathlib import Path
@@ -140,6 +141,34 @@ def test_verification_works_off_the_main_thread() -> None:
     worker.start()
     worker.join(timeout=60)
     assert results == [1.0]
+
+
+def test_math_verifys_no_timeout_notice_is_silenced_and_its_other_records_pass(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A QA pass: the `math` recipe printed math-verify's "Timeout is disabled ..." warnings, which it logs
+    where no timeout is passed: off the main thread, on purpose (`_timeout_s`). Only that one is dropped."""
+    import math_verify.grader
+    import math_verify.parser
+
+    for module in (math_verify.parser, math_verify.grader):  # it warns once per process and module
+        monkeypatch.setattr(module, "TIMEOUT_WARNING_SHOWN", False)
+
+    verdicts: list[bool] = []
+
+    def judge() -> None:
+        verdicts.append(is_correct("\\frac{1}{2}", parse_reply("\\boxed{0.5}")))
+
+    with caplog.at_level(logging.WARNING, logger="math_verify"):
+        worker = threading.Thread(target=judge)
+        worker.start()
+        worker.join(timeout=60)
+        logging.getLogger("math_verify.parser").warning("something else went wrong")
+    assert verdicts == [True]
+    # Both warned (parse and verify ran without a timeout), and only the other record is left.
+    assert math_verify.parser.TIMEOUT_WARNING_SHOWN and math_verify.grader.TIMEOUT_WARNING_SHOWN
+    mine = [r.getMessage() for r in caplog.records if r.name.startswith("math_verify")]
+    assert mine == ["something else went wrong"]
 
 
 def test_warmup_replies_are_boxed_answers_of_other_problems() -> None:

@@ -6,17 +6,22 @@ classes) and the `tokenizers` library reading tokenizer.json: both must give the
 
 from __future__ import annotations
 
+import io
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer
 from transformers import Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
+from inflight.config import RunConfig
 from inflight.errors import UserError
 from inflight.models import PRESETS, build_tiny, count_parameters, load_model, load_tokenizer
 from inflight.models.corpus import synthetic_corpus
 from inflight.models.tiny import model_config, train_tokenizer
+from inflight.orchestrator.setup import resolve_model
 
 TEXTS = [
     "",
@@ -137,6 +142,44 @@ def test_loaded_model_forward(tiny_dir: Path) -> None:
     assert logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
     assert load_model(tiny_dir, dtype=torch.bfloat16).model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal: where a loading bar belongs."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_loading_bar_shows_only_on_a_terminal_with_progress_on(
+    tiny_dir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A QA pass: transformers' "Loading weights" bar (redrawn with \\r) was printed with progress=false and
+    into logs (stderr not a terminal). transformers' process-wide switch is left as it was."""
+    monkeypatch.setattr(hf_logging, "_tqdm_active", True)  # its default, whatever HF_HUB_DISABLE_... says
+    load_model(tiny_dir)  # pytest's stderr is no terminal
+    assert "Loading weights" not in capfd.readouterr().err
+    load_model(tiny_dir, progress=False)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    load_model(tiny_dir, progress=False)
+    assert "Loading weights" not in terminal.getvalue()
+    load_model(tiny_dir)
+    assert "Loading weights" in terminal.getvalue()
+
+
+def test_a_runs_tiny_model_is_built_without_a_bar_off_a_terminal(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same QA pass: a run's first tiny model (built once, cached) drew "Writing model shards"."""
+    monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path))  # a cache of its own: the model is built here
+    monkeypatch.setattr(hf_logging, "_tqdm_active", True)
+    built = Path(resolve_model(RunConfig()))
+    assert (built / "config.json").is_file() and built.is_relative_to(tmp_path)
+    assert "Writing model shards" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["./no-such-model", "~/no-such/model", "runs/x/no-such-model", "/no-such"])

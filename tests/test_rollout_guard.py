@@ -217,3 +217,63 @@ def test_counts_taken_in_one_guard_add_up_in_another() -> None:
     assert run.metrics() == {"rollout_errors": 3.0, "rollout_timeouts": 1.0}
     with pytest.raises(UserError, match=r"3 of 5 rollouts failed.*\(2x\): ValueError: bad env"):
         run.check()
+
+
+def test_errors_that_quote_generated_text_count_as_one_cause_quoted_short() -> None:
+    """A QA pass: "the most common error (1x)" when every failure quoted its own reply (each message unique),
+    and a whole pydantic error list quoted. Counted by cause now (quoted text and numbers set aside), the
+    first message of it quoted, cut to 200 characters; a quoted name (a missing key) still tells two
+    causes apart."""
+    guard = RolloutGuard(RolloutConfig(max_failed_frac=0.5), min_rollouts=4)
+    replies = ["the answer is 5", "I'd say 12", "y" * 1000, 'say "7"']
+
+    def no_integer(reply: str) -> Any:
+        async def generate_rollout(ctx: RolloutContext, problem: dict) -> Rollout:
+            raise ValueError(f"no integer in reply {reply!r} after {len(reply)} chars")
+
+        return generate_rollout
+
+    for reply in replies:
+        run(guard, no_integer(reply))
+    with pytest.raises(UserError) as e:
+        guard.check()
+    assert str(e.value).endswith(
+        "the most common error (4x): ValueError: no integer in reply 'the answer is 5' after 15 chars"
+    )
+
+    long_first = RolloutGuard(RolloutConfig(max_failed_frac=0.5), min_rollouts=2)
+    for reply in ("y" * 1000, "short"):
+        run(long_first, no_integer(reply))
+    with pytest.raises(UserError) as e:
+        long_first.check()
+    quoted = str(e.value).split("the most common error (2x): ")[1]  # cut to guard.SHOWN_ERROR_CHARS
+    assert len(quoted) == 200 and quoted.startswith("ValueError: no integer in reply 'yyy")
+    assert quoted.endswith("y…")
+
+    async def missing(ctx: RolloutContext, problem: dict) -> Rollout:
+        raise KeyError("answer" if ctx.problem_index % 2 else "question")
+
+    keys = RolloutGuard(RolloutConfig(max_failed_frac=1.0), min_rollouts=1)
+    for i in range(4):
+        run(keys, missing, problem_index=i)
+    assert dict(keys.errors) == {"KeyError: 'question'": 2, "KeyError: 'answer'": 2}
+
+
+def test_a_workers_counts_join_the_run_guards_cause_under_its_first_message() -> None:
+    """Each rollout worker's guard quotes its own first message of a cause (cut to 200 characters, which
+    may cut what tells its cause): the run's guard adds them to the one cause, not one entry per worker."""
+
+    def no_integer(reply: str) -> Any:
+        async def generate_rollout(ctx: RolloutContext, problem: dict) -> Rollout:
+            raise ValueError(f"no integer in reply {reply!r} after {len(reply)} chars")
+
+        return generate_rollout
+
+    run_guard = RolloutGuard(RolloutConfig(max_failed_frac=0.5), min_rollouts=3)
+    for replies in (["z" * 500], ["five", "a dozen"]):
+        worker = RolloutGuard(RolloutConfig(), min_rollouts=1)
+        for reply in replies:
+            run(worker, no_integer(reply))
+        run_guard.absorb(worker.take_counts())
+    [(first, count)] = run_guard.errors.items()
+    assert count == 3 and first.startswith("ValueError: no integer in reply 'zzz") and first.endswith("z…")

@@ -232,12 +232,12 @@ def test_errors_that_differ_only_by_an_id_count_as_one() -> None:
     assert str(e.value).endswith(
         "the most common error (3x): ValueError: request <id>: prompt has 16 tokens, more than the 9 allowed"
     )
-    # Only ids are set aside: a UUID, a memory address; short hex words and plain numbers stay.
+    # Ids are set aside: a UUID, a memory address; short hex words stay (numbers are set aside as numbers).
     assert error_key("session 123e4567-e89b-12d3-a456-426614174000 closed") == "session <id> closed"
     assert error_key("<Foo object at 0x7f3a2c1b9d60>") == "<Foo object at <id>>"
     assert (
         error_key("cannot parse problem 12 (deadbeef, cafe42)")
-        == "cannot parse problem 12 (deadbeef, cafe42)"
+        == "cannot parse problem <n> (deadbeef, cafe42)"
     )
 
 

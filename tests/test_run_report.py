@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -261,3 +262,128 @@ def test_a_failed_warmup_rollout_names_the_warmup_and_its_train_problem(
     for message in logged:
         problem = int(re.match(r"rollout failed \(warm-up\): problem (\d+), sample 0: ", message)[1])  # type: ignore[index]
         assert problem in (3, 13), message  # of the 20 train problems
+
+
+# -- an environment that fails in the warm-up ---------------------------------------------------------------
+
+FLAKY_ENV_TASK = """
+from typing import Any
+from inflight.envs import Environment, State, TextAction, TextObservation
+
+class Flaky(Environment[TextAction, TextObservation, State]):
+    failures = FAILURES  # how many steps raise: the process's first ones, the warm-up's
+
+    def reset(self, seed=None, episode_id=None, **kw: Any) -> TextObservation:
+        return TextObservation(prompt="Say something.")
+
+    def step(self, action: TextAction, timeout_s=None, **kw: Any) -> TextObservation:
+        if Flaky.failures > 0:
+            Flaky.failures -= 1
+            raise RuntimeError("env step exploded")
+        return TextObservation(prompt="", done=True, reward=float(len(action.text) % 2))
+
+    def warmup_reply(self, obs: TextObservation, rng: Any) -> str:
+        return rng.choice(["a", "bb"])
+
+    @property
+    def state(self) -> State:
+        return State()
+"""
+WARM = ["warmup.sft_steps=2", "warmup.sft_batch_size=4", "warmup.sft_group_size=2"]
+
+
+def warmup_failures(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout failed (warm-up)")]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound and released at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_an_environment_that_fails_in_the_warm_up_stops_the_run_in_one_line(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A QA pass: an Env's `step` that raises during the warm-up was a ~60-line traceback and exit 1 (a
+    rollout function's warm-up already went through the guard). Now each failed episode is a log line, and
+    past rollout.max_failed_frac the run stops in one line, exit 2, leaving no run directory."""
+    path = tmp_path / "exploding.py"
+    path.write_text(FLAKY_ENV_TASK.replace("FAILURES", "10**6"))
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="inflight.orchestrator.guard"):
+        assert run(str(path), run_dir, tiny_model_dir, "grpo.steps=1", *WARM) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert said(err)[-1] == (
+        "inflight: error: stopped: 4 of 4 warm-up rollouts failed, more than rollout.max_failed_frac=0.5; "
+        "the most common error (4x): RuntimeError: env step exploded"
+    )
+    failures = warmup_failures(caplog)
+    assert len(failures) == 4, failures
+    for message in failures:  # the episode's seed (its problem), its place in its group of 2
+        pattern = r"rollout failed \(warm-up\): problem \d+, sample [01]: RuntimeError: env step exploded"
+        assert re.match(pattern, message), message
+    assert not run_dir.exists()
+
+
+def test_an_openenv_server_that_is_not_there_stops_the_warm_up_in_one_line(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The QA pass's repro: `inflight run blackjack env.name=openenv:URL` with nothing at URL was
+    OpenEnvError's traceback from the warm-up's first reset."""
+    port = free_port()
+    overrides = [f"env.name=openenv:http://127.0.0.1:{port}", "grpo.steps=2", *WARM]
+    with caplog.at_level(logging.WARNING, logger="inflight.orchestrator.guard"):
+        assert run("blackjack", tmp_path / "run", tiny_model_dir, *overrides) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert said(err)[-1].startswith(
+        "inflight: error: stopped: 4 of 4 warm-up rollouts failed, more than rollout.max_failed_frac=0.5; "
+        f"the most common error (4x): OpenEnvError: cannot open an OpenEnv session at ws://127.0.0.1:{port}/ws"
+    ), err
+    assert len(warmup_failures(caplog)) == 4
+
+
+def test_a_warm_up_episode_whose_environment_fails_is_left_out_and_the_warm_up_goes_on(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One failed episode of 8 (under rollout.max_failed_frac): counted, logged, left out of its step; both
+    warm-up steps train and the run finishes."""
+    path = tmp_path / "flaky_once.py"
+    path.write_text(FLAKY_ENV_TASK.replace("FAILURES", "1"))
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="inflight.orchestrator.guard"):
+        assert run(str(path), run_dir, tiny_model_dir, "grpo.steps=1", *WARM) == 0
+    [failure] = warmup_failures(caplog)
+    assert failure.endswith("RuntimeError: env step exploded")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "warmup"] == [0, 1]
+
+
+# -- metrics.jsonl ------------------------------------------------------------------------------------------
+
+
+def test_each_evaluation_row_says_which_evaluation_it_is_and_over_how_many_episodes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A QA pass: at the last step metrics.jsonl held two `phase: eval` rows, the periodic evaluation over
+    eval.num_episodes_during and the final one over eval.num_episodes, and nothing told them apart."""
+    target = write_task(tmp_path, "evals")
+    run_dir = tmp_path / "run"
+    during = ["eval.every_steps=2", "eval.num_episodes_during=2"]
+    assert run(target, run_dir, tiny_model_dir, "grpo.steps=2", *during) == 0  # SMALL: eval.num_episodes=4
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval"], r["episodes"]) for r in rows if r["phase"] == "eval"]
+    assert evals == [(0, "initial", 4), (2, "during", 2), (2, "final", 4)]
+    assert all("test/return_greedy" in r for r in rows if r["phase"] == "eval")
+    # The summary's initial and final returns are those rows' (its final one, not the periodic one).
+    [final] = [r for r in rows if r.get("eval") == "final"]
+    assert summary(run_dir)["return_final"] == round(final["test/return_greedy"], 4)

@@ -11,7 +11,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from inflight.errors import UserError
@@ -133,6 +133,8 @@ class PipelineConfig(_Config):
     stream_url: str | None = None
     # Inference replicas (`inflight serve-engine` URLs); empty = an engine in this process. With replicas,
     # weights reach them through the filesystem transport (safetensors in RUN_DIR/weights, atomic rename).
+    # On the command line a JSON list, `pipeline.engine_urls='["http://h:8000", "http://h:8001"]'`, or one
+    # URL as is (`_one_url`).
     engine_urls: list[str] = Field(default_factory=list)
     # How new weights reach the replicas: "filesystem" (safetensors in RUN_DIR/weights, the replica told the
     # path: needs a filesystem both see), "http" (the bytes in the request body: any network), or "auto"
@@ -151,6 +153,21 @@ class PipelineConfig(_Config):
     # other's core. "auto": when the CPUs number exactly the two stages' threads (2 x torch_threads), the
     # case where the two would otherwise share them; true: whenever there are that many; false: never.
     pin_cpus: bool | Literal["auto"] = "auto"
+
+    @field_validator("engine_urls", mode="before")
+    @classmethod
+    def _one_url(cls, value: Any) -> Any:
+        """One URL as typed on the command line (`pipeline.engine_urls=http://host:8000`) is a list of one;
+        "" is none. Several run together (a comma or a space between them) are refused, naming the list
+        syntax with the shell's quotes: pydantic's own "Input should be a valid list" shows neither."""
+        if not isinstance(value, str):
+            return value
+        if "," in value or any(char.isspace() for char in value.strip()):
+            raise ValueError(
+                f"{value!r:.80} is not one URL: give several as a JSON list, quoted for the shell: "
+                """pipeline.engine_urls='["http://HOST:PORT", "http://HOST2:PORT"]'"""
+            )
+        return [value.strip()] if value.strip() else []
 
 
 class RayConfig(_Config):
@@ -359,6 +376,9 @@ def _describe(err: Any) -> str:
         if valid or finite:
             must = " ".join(part for part in (finite, valid) if part)
             return f"{at}: must be {must}, got {json.dumps(err['input'])}"
+    if err["type"] == "list_type":  # pydantic's "Input should be a valid list" shows no list
+        example = f"""{where}='["..."]'""" if where else """'["..."]'"""
+        return f"{at}: must be a JSON list, quoted for the shell: {example}; got {json.dumps(err['input'])}"
     # A model validator's ValueError names its keys itself; pydantic prefixes it with "Value error, ".
     return f"{at}: {str(err['msg']).removeprefix('Value error, ')}"
 

@@ -7,6 +7,7 @@ tokens. Seed i poses problem i mod the split's size, so a run cycles through the
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from functools import cache
@@ -63,6 +64,19 @@ def _timeout_s() -> int | None:
     # math-verify times out with signal.alarm, which only the main thread may set; elsewhere (an HTTP
     # server's worker thread) it runs unbounded, and MAX_REPLY_CHARS bounds the work instead.
     return PARSE_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+class _NoTimeoutNotice(logging.Filter):
+    """Drops math-verify's "Timeout is disabled ..." warning, which it logs where `_timeout_s` passes no
+    timeout, on purpose (a worker thread: MAX_REPLY_CHARS bounds the work). Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_NO_TIMEOUT_NOTICE = _NoTimeoutNotice()
+for _module in ("math_verify.parser", "math_verify.grader"):  # the two that log it; their loggers by name
+    logging.getLogger(_module).addFilter(_NO_TIMEOUT_NOTICE)
 
 
 def parse_reply(text: str) -> list[Any]:

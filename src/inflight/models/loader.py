@@ -5,11 +5,16 @@ Models are returned as loaded (train/eval mode, device and threads are the calle
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from inflight.errors import UserError
 from inflight.models.paths import build_hint, resolve
@@ -44,14 +49,37 @@ def _load_error(name: str, exc: OSError) -> UserError:
     )
 
 
-def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+@contextmanager
+def hf_progress_bars(shown: bool) -> Iterator[None]:
+    """Within it, transformers' progress bars ("Loading weights", "Writing model shards", a hub download's)
+    only when `shown` and stderr is a terminal: elsewhere (a log file, a pipe, CI) each carriage-return
+    redraw is noise. Its switches (transformers' and huggingface_hub's, which it sets together) are
+    process-wide: put back as they were."""
+    quiet = hf_logging.is_progress_bar_enabled() and not (shown and sys.stderr.isatty())
+    hub_was_off = are_progress_bars_disabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
+            if hub_was_off:
+                disable_progress_bars()
+
+
+def load_model(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> PreTrainedModel:
     """A causal LM from a local directory (safetensors) or a hub id, with weights in `dtype`.
 
-    transformers puts the model in eval mode; call `.train()` to train it.
+    transformers puts the model in eval mode; call `.train()` to train it. `progress`: show transformers'
+    loading bar (a run's `progress=false` hides it); never where stderr is not a terminal.
     """
     name = resolve(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        with hf_progress_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except OSError as exc:
         raise _load_error(name, exc) from exc
     except SafetensorError as exc:  # a truncated download or an interrupted save

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from inflight.config import RunConfig
 from inflight.envs.base import Environment
@@ -54,6 +54,7 @@ from inflight.trainer.process import StepTrainer, TrainerProcess
 if TYPE_CHECKING:
     import torch
 
+EvalName = Literal["initial", "during", "final"]  # an evaluation's `eval` field in metrics.jsonl (`eval_row`)
 # A launcher's engines, started once the run is accepted: given the run's config, a context that yields it
 # as the run goes on with (pipeline.engine_urls naming them) and stops them on exit.
 StartEngines = Callable[[RunConfig], contextlib.AbstractContextManager[RunConfig]]
@@ -64,7 +65,7 @@ def train(
     cfg: RunConfig,
     logger: MetricsLogger,
     run_dir: str | Path,
-    evaluate: Callable[[Driver], dict[str, float]] | None = None,
+    evaluate: Callable[[Driver], dict[str, Any]] | None = None,
     launcher_metrics: Callable[[], dict[str, float]] | None = None,
     players: GroupPlayer | None = None,
 ) -> list[dict[str, float]]:
@@ -163,8 +164,12 @@ def run(
             def test(driver: Driver, num_problems: int, title: str | None = None) -> dict[str, float]:
                 return evaluate(task, test_problems, cfg, chat, driver, num_problems, title)
 
-            def during(driver: Driver) -> dict[str, float]:  # no progress of its own: the training's shows
-                return _test_metrics(test(driver, cfg.eval.num_episodes_during))
+            # How many test problems each evaluation plays: the initial and the final one, and those during.
+            evaluated = min(cfg.eval.num_episodes, len(test_problems))
+            evaluated_during = min(cfg.eval.num_episodes_during, len(test_problems))
+
+            def during(driver: Driver) -> dict[str, Any]:  # no progress of its own: the training's shows
+                return eval_row("during", evaluated_during, test(driver, cfg.eval.num_episodes_during))
 
             # The initial evaluation once per run: an earlier command's, when one logged it (a resume, whose
             # policy before training is gone; a run stopped before its first step), else made now.
@@ -172,7 +177,7 @@ def run(
             if not initial and not first_step:
                 initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes, "initial evaluation")
                 if initial:
-                    logger.log(0, _test_metrics(initial), phase="eval")
+                    logger.log(0, eval_row("initial", evaluated, initial), phase="eval")
             if stop is not None and stop.reason is not None and first_step < cfg.grpo.steps:
                 # During the initial evaluation (which finishes: it is the run's only one of its policy) or
                 # the engine's and trainer's start. Here, not in the loops: they look only after a step.
@@ -192,7 +197,7 @@ def run(
             publish(parts.engine, trainer)
             final = test(InlineDriver(parts.engine), cfg.eval.num_episodes, "final evaluation")
             if final:
-                logger.log(last_step, _test_metrics(final), phase="eval")
+                logger.log(last_step, eval_row("final", evaluated, final), phase="eval")
 
             # A signal that came after the last step (during the final evaluation) stopped nothing.
             stopped = stop.reason if stop is not None and last_step < cfg.grpo.steps else None
@@ -373,9 +378,10 @@ def _finished_summary(path: Path, steps: int) -> dict[str, Any] | None:
 
 def _logged_initial(run_dir: Path) -> dict[str, float]:
     """The initial evaluation (step 0's `eval` row, `test/` stripped) as the run's first process logged it;
-    {} when it logged none."""
+    {} when it logged none. A row without `eval` (a run from before it was logged) at step 0 is the initial
+    one: only a run of grpo.steps=0 logs another there, the final one, after it."""
     for row in read_metrics(run_dir):
-        if row.get("phase") == "eval" and row.get("step") == 0:
+        if row.get("phase") == "eval" and row.get("step") == 0 and row.get("eval", "initial") == "initial":
             return {k.removeprefix("test/"): v for k, v in row.items() if k.startswith("test/")}
     return {}
 
@@ -432,8 +438,13 @@ def _trained_a_step(run_dir: Path) -> bool:
         return False
 
 
-def _test_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    return {f"test/{key}": value for key, value in metrics.items()}
+def eval_row(which: EvalName, episodes: int, metrics: dict[str, float]) -> dict[str, Any]:
+    """An evaluation's metrics.jsonl row (phase=eval): `eval` names which one (`initial` before training,
+    `during` every eval.every_steps over eval.num_episodes_during, `final` after it over eval.num_episodes)
+    and `episodes` how many test problems it played greedily (the sampled pass plays the first
+    eval.num_episodes_sampled of them); its metrics under `test/`. At the last step a `during` and the
+    `final` row are both logged, over different numbers of episodes: only these fields tell them apart."""
+    return {"eval": which, "episodes": episodes, **{f"test/{key}": value for key, value in metrics.items()}}
 
 
 def build_summary(

@@ -25,17 +25,20 @@ def cache_dir() -> Path:
 
 
 def resolve_model(cfg: RunConfig) -> str:
-    """The model's directory or hub id; builds (once, cached) the tiny model when no path is given."""
+    """The model's directory or hub id; builds (once, cached) the tiny model when no path is given, its
+    "Writing model shards" bar shown as the run's progress is (`hf_progress_bars`)."""
     if cfg.model.path:
         return cfg.model.path
     from inflight.models import build_tiny
+    from inflight.models.loader import hf_progress_bars
 
     target = cache_dir() / "models" / f"tiny-{cfg.model.tiny_preset}-seed{cfg.model.tiny_seed}"
     if not (target / "config.json").is_file():
         # Build beside the target and rename: concurrent runs never see a half-written model.
         tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        build_tiny(tmp, preset=cfg.model.tiny_preset, seed=cfg.model.tiny_seed)
+        with hf_progress_bars(cfg.progress):
+            build_tiny(tmp, preset=cfg.model.tiny_preset, seed=cfg.model.tiny_seed)
         try:
             os.replace(tmp, target)
         except OSError:  # another process won the race; its copy is byte-identical
@@ -59,7 +62,7 @@ def load_policy(cfg: RunConfig) -> tuple[torch.nn.Module, object]:
 
     name = resolve_model(cfg)
     torch.manual_seed(cfg.seed)
-    return load_model(name), load_tokenizer(name)
+    return load_model(name, progress=cfg.progress), load_tokenizer(name)
 
 
 def pad_id(tokenizer: object) -> int:

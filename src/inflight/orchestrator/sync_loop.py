@@ -113,12 +113,13 @@ def train(
     cfg: RunConfig,
     logger: MetricsLogger,
     run_dir: str,
-    evaluate: Callable[[Driver], dict[str, float]] | None = None,
+    evaluate: Callable[[Driver], dict[str, Any]] | None = None,
 ) -> list[dict[str, float]]:
     """Run on-policy steps up to cfg.grpo.steps, continuing the newest complete checkpoint in run_dir if
     there is one; returns the metrics of the steps this call ran.
 
-    `evaluate(driver)` (the held-out evaluation) runs every cfg.eval.every_steps, logged as phase=eval.
+    `evaluate(driver)` (the held-out evaluation) runs every cfg.eval.every_steps; its row (`run.eval_row`,
+    which labels it `eval: during`) is logged as phase=eval.
     """
     engine, trainer = parts.engine, parts.trainer
     driver = InlineDriver(engine)

@@ -3,7 +3,10 @@
 It teaches a tiny model from scratch the answer format (and, with `warmup.tokens=all`, to read the
 environment's text) so that RL starts with signal. Each environment supplies its warm-up replies through
 `warmup_reply(obs, rng)`; an observation with `legal_actions` (BlackJack) gets one of them uniformly.
-Either way the reply is independent of what would be the right answer: the improvement is RL's.
+Either way the reply is independent of what would be the right answer: the improvement is RL's. Each
+scripted episode goes through the rollout guard (`guard.py`), as the training's rollouts do: an environment
+that fails (a server that is down, a `step` that raises) fails that episode, counted and logged, and past
+`rollout.max_failed_frac` stops the run in one line.
 
 Both warm-ups (this one and `task_warmup.py`) keep their state in RUN_DIR/warmup/ (a trainer checkpoint,
 `trainer/checkpoint.py`): the weights once it is done, so that a resumed run loads the warmed-up model (the
@@ -14,6 +17,7 @@ command continues it at the next step, logging each step once.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import statistics
@@ -25,9 +29,10 @@ import torch
 
 from inflight.config import RunConfig
 from inflight.envs.base import Environment
-from inflight.errors import UserError, describe
+from inflight.errors import describe
 from inflight.metrics.logger import MetricsLogger
 from inflight.metrics.progress import StepProgress
+from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.stopping import StopRequest
 from inflight.orchestrator.task import HookError
 from inflight.rollouts.chat import ChatFormat
@@ -125,7 +130,7 @@ def checked_reply(reply: WarmupReply, owner: str) -> WarmupReply:
     def checked(seen: Any, rng: random.Random) -> str:
         try:
             text = reply(seen, rng)
-        except UserError:  # already one line (`random_legal_reply`'s)
+        except HookError:  # already one line (`random_legal_reply`'s)
             raise
         except Exception as e:
             raise HookError(f"{owner}: warmup_reply(seen, rng) raised {describe(e)}") from None
@@ -140,10 +145,11 @@ def checked_reply(reply: WarmupReply, owner: str) -> WarmupReply:
 
 
 def random_legal_reply(obs: Any, rng: random.Random) -> str:
-    """One of `obs.legal_actions`, uniformly: the replies of an environment with a fixed action menu."""
+    """One of `obs.legal_actions`, uniformly: the replies of an environment with a fixed action menu. An
+    observation without them is a task that cannot warm up (HookError: the run ends, no rollout counted)."""
     legal = getattr(obs, "legal_actions", None)
     if not legal:
-        raise UserError(
+        raise HookError(
             f"{type(obs).__name__} has no legal_actions and its environment no warmup_reply(obs, rng): "
             "give the environment one, pass warmup_reply= to format_warmup, or set warmup.sft_steps=0"
         )
@@ -174,7 +180,8 @@ def format_warmup(
     `warmup_reply` overrides the environment's replies (e.g. a recipe's own reply generator; pass it
     through `checked_reply`, naming its task). `state_dir` (RUN_DIR/warmup): where the warm-up's state is
     saved and continued from (see the module docstring). `stop`, once set, ends it after the step in
-    flight (the state saved); `warmup_steps_done` tells. Its progress shows as the training's does.
+    flight (the state saved); `warmup_steps_done` tells. Its progress shows as the training's does. A
+    failed episode is left out of its step (`_scripted_rollouts`); a step left with none trains nothing.
     """
     w = cfg.warmup
     trainer = warmup_trainer(model, pad_id, cfg)
@@ -190,17 +197,44 @@ def format_warmup(
     def policy(obs: Any) -> str:
         return reply(obs, rng)
 
+    guard = RolloutGuard(cfg.rollout, w.sft_batch_size, what="warm-up rollouts", phase="warm-up")
     metrics: dict[str, float] = {}
     step = first
     with warmup_progress(cfg) as progress:
         for step in range(first, w.sft_steps):
             starts = [rng.getrandbits(62) for _ in range(-(-w.sft_batch_size // w.sft_group_size))]
             seeds = [s for s in starts for _ in range(w.sft_group_size)][: w.sft_batch_size]
-            rollouts = [run_scripted_episode(env, s, policy, chat, cfg.grpo.max_turns) for s in seeds]
-            metrics = train_on_scripted(trainer, rollouts, cfg, logger, step)
-            progress.update(step + 1, metrics["reward_mean"])
+            rollouts = _scripted_rollouts(env, seeds, policy, chat, cfg, guard)
+            guard.check()  # too many failed: stop, naming the most common error
+            if rollouts:
+                metrics = train_on_scripted(trainer, rollouts, cfg, logger, step)
+            progress.update(step + 1, metrics.get("reward_mean") if rollouts else None)
             if stop is not None and stop.is_set():
                 break
     env.close()
     save_warmup(trainer, state_dir, step + 1, w.sft_steps, rng)
     return metrics
+
+
+def _scripted_rollouts(
+    env: Environment,
+    seeds: list[int],
+    policy: Callable[[Any], str],
+    chat: ChatFormat,
+    cfg: RunConfig,
+    guard: RolloutGuard,
+) -> list[Rollout]:
+    """One step's scripted episodes, in order on the one environment, each through `guard`: one whose
+    environment fails is counted, logged and left out. Its log line names the episode's seed as its problem
+    (an Env task's train problem i is seed i: `reset(seed=...)` plays it again) and its place in its group
+    of warmup.sft_group_size episodes of that seed as its sample."""
+    group_size = cfg.warmup.sft_group_size
+    results = [
+        guard.run_inline(
+            functools.partial(run_scripted_episode, env, seed, policy, chat, cfg.grpo.max_turns),
+            problem_index=seed,
+            sample_index=j % group_size,
+        )
+        for j, seed in enumerate(seeds)
+    ]
+    return [r for r in results if r is not None]
