@@ -4,7 +4,14 @@ The policy replies `<calc>EXPRESSION</calc>` to use the calculator (its result c
 user turn, masked out of the loss like all environment text) or `<answer>NUMBER</answer>` to finish.
 Reward 1 for the right answer. The warm-up's scripted replies call the calculator on the question's numbers
 with an operation drawn at random, then answer with what it returned: the protocol, never the solution
-(right one time in three, by chance). Reading which operation the question asks for is RL's doing.
+(right one time in three, by chance). Reading which operation the question asks for is left to RL.
+
+What RL does for the tiny model here, measured on 2 cores (`mode=sync`, seed 0, 100 test problems): the
+sampled policy gets right 0.10 of the test problems before RL, 0.16-0.28 after the preset's 100 steps (two
+runs) and 0.38 after 200 (`grpo.steps=200`): it calls the calculator and copies its result reliably. The
+greedy policy stays near one in three (0.36 before, 0.35-0.44 along 200 steps): reading the operation is
+more than this 1.5M-parameter model learns in that budget. With a real model (`model.path=...`) the task
+is the same.
 
     inflight run examples/calculator_tool.py
 """

@@ -6,6 +6,10 @@ Observations list their `legal_actions`, so the warm-up (`warmup.sft_steps`) can
 without any help. Its constructor's arguments come from the config: `env.kwargs.rounds=5 grpo.max_turns=5`.
 
     inflight run examples/higher_lower_env.py
+
+Measured on 2 cores (the preset's 100 steps, 500 test episodes): greedy reward 0.447 -> 0.686 (seed 0) and
+0.444 -> 0.637 (seed 1), against 0.70 for the best policy; at 50 steps seed 0 had reached 0.59 and seed 1
+had not moved yet.
 """
 
 import random
@@ -13,6 +17,7 @@ from typing import Any
 
 from inflight.config import EvalConfig, GRPOConfig, RunConfig, SamplingConfig, WarmupConfig
 from inflight.envs import Environment, State, TextAction, TextObservation
+from inflight.trainer import TrainerConfig
 
 
 class HigherLowerObservation(TextObservation):
@@ -56,6 +61,9 @@ class HigherLowerEnv(Environment[TextAction, HigherLowerObservation, State]):
 
 def preset() -> RunConfig:
     return RunConfig(
+        # At the default 1e-4 the tiny model's greedy play did not move in 50 steps (0.447 -> 0.447); at 1e-3
+        # it reached 0.59 (the best policy's expected reward: 0.70), at 3e-3 it stayed at 0.44.
+        trainer=TrainerConfig(lr=1e-3),
         sampling=SamplingConfig(max_tokens_per_turn=3),
         grpo=GRPOConfig(steps=100, prompts_per_step=16, group_size=8, advantage="mean_std", max_turns=3),
         warmup=WarmupConfig(sft_steps=50, sft_batch_size=64, sft_lr=3e-3, tokens="all"),
