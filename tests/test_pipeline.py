@@ -1,7 +1,8 @@
 """The asynchronous pipeline on BlackJack (tiny model, a short warm-up so that groups carry signal).
 
 - at max_staleness_steps=0 it reproduces the sync loop step for step (same samples, same losses);
-- with a bound k > 0 generation runs ahead, and no trained token is older than k steps;
+- with a bound k > 0 generation runs ahead, and no trained token is older than k steps; the final checkpoint
+  trims the result stream to its offset;
 - a rollout that raises is counted and the run goes on;
 - groups played elsewhere (the `GroupPlayer` seam of rollout workers) enter the buffer once, failures counted;
 - with `trainer.lora_rank=N` (both loops) only the adapter reaches the engine, and sampler and trainer agree.
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -22,7 +24,7 @@ import httpx
 import pytest
 import torch
 
-from inflight.buffer.streams import open_stream
+from inflight.buffer.streams import TrimmedError, open_stream
 from inflight.config import RunConfig
 from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
 from inflight.inference.server import EngineServerConfig, ServerThread, create_app
@@ -101,7 +103,9 @@ def test_staleness_zero_reproduces_the_sync_loop(tmp_path: Path, warmed) -> None
 
 
 def test_bounded_staleness_runs_ahead_but_never_past_the_bound(tmp_path: Path, warmed) -> None:
-    cfg = small_config(tmp_path, max_staleness_steps=1, active_sampling=True)
+    # A segment per record: the trim at the checkpoint drops exactly the records before its offset.
+    stream_url = f"file://{tmp_path / 'results'}?segment_bytes=1"
+    cfg = small_config(tmp_path, max_staleness_steps=1, active_sampling=True, stream_url=stream_url)
     cfg.mode = "async"
     history = train(parts_for(cfg, warmed), cfg, MetricsLogger(tmp_path), tmp_path)
     assert len(history) == 6
@@ -124,7 +128,11 @@ def test_bounded_staleness_runs_ahead_but_never_past_the_bound(tmp_path: Path, w
     assert 6 <= last["engine/updates_applied"] + last["engine/updates_superseded"] <= 7
     assert last["engine/update_pause_s_max"] >= last["engine/update_pause_s_mean"] > 0
     assert "engine/stale_kv_token_frac" in last
-    assert (tmp_path / "checkpoint" / "trainer_state.json").is_file()
+    saved = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())["pipeline"]
+    with open_stream(stream_url) as stream:  # the final checkpoint trimmed it to its offset
+        with pytest.raises(TrimmedError):
+            stream.read(saved["read_offset"] - 1, 1, 0.0)
+        stream.read(saved["read_offset"], 1000, 0.0)  # what a resume reads is all there
 
 
 def flaky(task: Task) -> Task:

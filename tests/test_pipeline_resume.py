@@ -1,6 +1,6 @@
 """Resume after SIGKILL, in both modes: a run killed mid-run and restarted with the same run directory goes
 on from its last checkpoint with trainer, optimizer and step intact (and, in the pipeline, the stream offset
-and buffered groups)."""
+and buffered groups, the stream trimmed to that offset at every checkpoint)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from inflight.buffer import TrimmedError, open_stream
 from inflight.metrics.logger import read_metrics
 
 pytestmark = pytest.mark.slow
+
+
+def stream_url(run_dir: Path) -> str:
+    # The default place, one record a segment: a trim drops exactly the records before its offset.
+    return f"file://{run_dir / 'streams' / 'results'}?segment_bytes=1"
 
 
 def run_command(model_dir: Path, run_dir: Path, mode: str) -> list[str]:
@@ -27,7 +33,8 @@ def run_command(model_dir: Path, run_dir: Path, mode: str) -> list[str]:
         "warmup.sft_steps=20", "eval.num_episodes=16", "eval.every_steps=0",
         "checkpoint_every_steps=2", "progress=false", f"model.path={model_dir}", "--run-dir", str(run_dir),
         # pipeline.* is the asynchronous pipeline's, refused under mode=sync.
-        *(["pipeline.max_staleness_steps=1"] if mode == "async" else []),
+        *(["pipeline.max_staleness_steps=1", f"pipeline.stream_url={stream_url(run_dir)}"]
+          if mode == "async" else []),
     ]  # fmt: skip
 
 
@@ -77,3 +84,6 @@ def test_sigkill_and_resume(tmp_path: Path, tiny_model_dir: Path, mode: str) -> 
         # Counters (and the groups buffered at the checkpoint) came back with the buffer's state.
         assert after[0]["buffer/consumed"] == (killed_at + 1) * 4
         assert final["pipeline"]["read_offset"] >= state["pipeline"]["read_offset"]
+        # The stream keeps nothing a resume from the final checkpoint would not read.
+        with open_stream(stream_url(run_dir)) as stream, pytest.raises(TrimmedError):
+            stream.read(final["pipeline"]["read_offset"] - 1, 1, 0.0)

@@ -1,8 +1,10 @@
-"""Streams between pipeline stages: memory, file log and Redis through the same tests, plus crash safety
-of the file log (torn last record, a writer killed with SIGKILL mid-append) and the RolloutGroup codec.
+"""Streams between pipeline stages: memory, file log and Redis through the same tests (retention by `trim`
+included), plus crash safety of the file log (torn last record, a writer killed with SIGKILL mid-append, a
+trim killed at any point), its size over many trims, and the RolloutGroup codec.
 
-Reference: Kafka's log semantics (dense offsets, committed consumer positions); the Redis streams docs
-(XADD/XREAD); a real `redis-server` started here on a free loopback port.
+Reference: Kafka's log semantics (dense offsets, committed consumer positions, retention by deleting whole
+segments); the Redis streams docs (XADD/XREAD, XTRIM MINID); a real `redis-server` started here on a free
+loopback port.
 """
 
 from __future__ import annotations
@@ -23,8 +25,14 @@ from pathlib import Path
 
 import pytest
 
-from inflight.buffer import CodecError, decode_group, encode_group, open_stream
-from inflight.buffer.file_stream import LOG_NAME, CorruptLogError, FileStream
+from inflight.buffer import CodecError, TrimmedError, decode_group, encode_group, open_stream
+from inflight.buffer.file_stream import (
+    LEGACY_LOG_NAME,
+    CorruptLogError,
+    FileStream,
+    FileStreamConfig,
+    segment_name,
+)
 from inflight.buffer.memory_stream import drop_memory_stream
 from inflight.errors import UserError
 from inflight.types import Rollout, RolloutGroup
@@ -44,7 +52,8 @@ def stream_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield f"memory://{name}"
         drop_memory_stream(name)
     elif request.param == "file":
-        yield f"file://{tmp_path / name}?fsync=never"
+        # Segments of a few records: reads, appends and trims cross segment boundaries.
+        yield f"file://{tmp_path / name}?fsync=never&segment_bytes=64"
     else:
         port = request.getfixturevalue("redis_port")
         yield f"redis://127.0.0.1:{port}/0?key={name}"
@@ -126,6 +135,42 @@ def test_bad_arguments_fail_with_the_reason(stream_url: str) -> None:
             stream.read(-2, 1, 0.0)
 
 
+def test_trim_drops_the_records_before_its_offset_and_keeps_the_rest_where_they_were(stream_url: str) -> None:
+    records = list(enumerate(f"record-{i}".encode() for i in range(30)))
+    with open_stream(stream_url) as stream, open_stream(stream_url) as other:
+        for _, r in records:
+            stream.append(r)
+        stream.trim(12)
+        assert stream.read(11, 100, 0.0) == records[12:]
+        for handle in (stream, other):  # the handle that trimmed, and one opened before the trim
+            with pytest.raises(TrimmedError, match="were trimmed"):
+                handle.read(-1, 100, 0.0)
+        assert other.append(b"after") == 30  # appends go on at the next offset, whoever writes
+        assert stream.read(29, 10, 0.0) == [(30, b"after")]
+        stream.trim(5)  # an older offset than the last trim's: nothing changes
+        assert stream.read(11, 100, 0.0) == [*records[12:], (30, b"after")]
+    with open_stream(stream_url) as reopened:
+        assert reopened.read(11, 100, 0.0) == [*records[12:], (30, b"after")]
+
+
+def test_a_trim_past_the_last_record_empties_the_stream_and_offsets_go_on(stream_url: str) -> None:
+    with open_stream(stream_url) as stream:
+        for i in range(5):
+            stream.append(f"x{i}".encode())
+        stream.commit("trainer", 4)
+        stream.trim(1000)
+        assert stream.read(4, 10, 0.0) == []
+        with pytest.raises(TrimmedError, match="offset 4: the records before offset 5"):
+            stream.read(3, 10, 0.0)
+        stream.commit("trainer", 4)  # positions are checked against the offsets written, not those kept
+        with pytest.raises(ValueError, match="offset must be in"):
+            stream.commit("trainer", 5)
+    with open_stream(stream_url) as reopened:
+        assert reopened.committed("trainer") == 4
+        assert reopened.append(b"y") == 5
+        assert reopened.read(4, 10, 0.0) == [(5, b"y")]
+
+
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
@@ -152,20 +197,29 @@ def test_unreachable_redis_is_a_clear_error() -> None:
 # -- the file log after crashes -----------------------------------------------------------------
 
 
+def segment_files(directory: Path) -> dict[int, Path]:
+    """The log's segment files by the offset of their first record."""
+    return {int(p.name[len("records-") : -len(".log")]): p for p in sorted(directory.glob("records-*.log"))}
+
+
+def log_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in segment_files(directory).values())
+
+
 def test_a_torn_last_record_is_truncated_at_every_cut_point(tmp_path: Path) -> None:
     source = tmp_path / "source"
     with FileStream(source) as stream:
         for r in (b"alpha", b"bravo" * 50, b"charlie" * 20):
             stream.append(r)
-    log = (source / LOG_NAME).read_bytes()
+    log = (source / segment_name(0)).read_bytes()
     last_start = len(log) - (8 + len(b"charlie" * 20))
     for cut in range(last_start + 1, len(log)):
         case = tmp_path / f"cut{cut}"
         shutil.copytree(source, case)
-        (case / LOG_NAME).write_bytes(log[:cut])
+        (case / segment_name(0)).write_bytes(log[:cut])
         with FileStream(case) as reopened:
             assert reopened.read(-1, 10, 0.0) == [(0, b"alpha"), (1, b"bravo" * 50)]
-            assert (case / LOG_NAME).stat().st_size == last_start  # the torn bytes are gone
+            assert (case / segment_name(0)).stat().st_size == last_start  # the torn bytes are gone
             assert reopened.append(b"delta") == 2
             assert reopened.read(1, 10, 0.0) == [(2, b"delta")]
         shutil.rmtree(case)
@@ -175,7 +229,7 @@ def test_a_corrupt_record_in_the_middle_is_reported_not_truncated(tmp_path: Path
     with FileStream(tmp_path / "s") as stream:
         for r in (b"alpha", b"bravo", b"charlie"):
             stream.append(r)
-    path = tmp_path / "s" / LOG_NAME
+    path = tmp_path / "s" / segment_name(0)
     data = bytearray(path.read_bytes())
     data[8 + 5 + 8 + 2] ^= 0xFF  # flip a byte inside "bravo"
     path.write_bytes(bytes(data))
@@ -238,15 +292,137 @@ def test_a_writer_killed_mid_append_leaves_a_log_that_reopens_with_every_acknowl
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         assert acks == 4, "writer did not acknowledge 4 appends within 60 s"
-        size_before = (log_dir / LOG_NAME).stat().st_size
+        size_before = log_bytes(log_dir)  # 1-4 MiB records: a segment of its own each, mostly
         with FileStream(log_dir) as reopened:
             records = reopened.read(-1, 10**6, 0.0)
-            torn_seen += (log_dir / LOG_NAME).stat().st_size < size_before
+            torn_seen += log_bytes(log_dir) < size_before
         assert len(records) >= acknowledged  # an acknowledged append is never lost
         for offset, data in records:  # and nothing half-written comes back
             assert data == _payload(offset), f"record {offset} differs from what was written"
     # Not asserted (the kill's timing is up to the OS), but reported when the test is run with -s.
     print(f"torn tails truncated: {torn_seen} of 3 kills")
+
+
+# -- the file log's retention ---------------------------------------------------------------------
+
+
+def _record(offset: int) -> bytes:
+    return f"record {offset} ".encode() * 10  # ~120 bytes, content determined by the offset
+
+
+def test_the_file_log_deletes_just_the_segments_before_a_trim_and_stays_bounded_over_many(
+    tmp_path: Path,
+) -> None:
+    """As the pipeline trims it: after each of 200 checkpoints, to an offset a few records behind the last."""
+    config = FileStreamConfig(fsync="never", segment_bytes=4096)
+    log_dir, in_flight, record_bytes = tmp_path / "log", 7, 8 + len(_record(9999))
+    written = 0
+    with FileStream(log_dir, config) as stream:
+        offset = -1
+        for _ in range(200):
+            for _ in range(20):
+                offset = stream.append(_record(offset + 1))
+                written += 8 + len(_record(offset))
+            before = offset + 1 - in_flight
+            stream.trim(before)
+            firsts = sorted(segment_files(log_dir))
+            # Gone: only segments whose records all come before `before`; kept: the one holding it, and on.
+            assert firsts[0] <= before < (firsts[1] if len(firsts) > 1 else math.inf)
+            assert stream.read(before - 1, 1000, 0.0) == [(o, _record(o)) for o in range(before, offset + 1)]
+            # What a resume needs, plus less than one segment of what it does not.
+            assert log_bytes(log_dir) <= in_flight * record_bytes + config.segment_bytes
+    assert written > 50 * log_bytes(log_dir)  # without the trims, all of it would still be there
+
+
+@pytest.mark.parametrize("before", [12, 20])
+def test_a_trim_killed_at_any_point_leaves_a_log_with_the_same_records_and_offsets(
+    tmp_path: Path, before: int
+) -> None:
+    """A trim creates a new last segment when every record goes (before=20), then deletes oldest first:
+    every prefix of those steps is a state a SIGKILL can leave."""
+    config = FileStreamConfig(fsync="never", segment_bytes=64)
+    source = tmp_path / "source"
+    with FileStream(source, config) as stream:
+        for i in range(20):
+            stream.append(f"r{i:02d}".encode())  # 11 bytes with the header: 5 records a segment
+    trimmed = tmp_path / "trimmed"
+    shutil.copytree(source, trimmed)
+    with FileStream(trimmed, config) as stream:
+        stream.trim(before)
+    old, new = segment_files(source), segment_files(trimmed)
+    created = [first for first in new if first not in old]
+    deleted = [first for first in old if first not in new]
+    assert (created, deleted) == (([], [0, 5]) if before == 12 else ([20], [0, 5, 10, 15]))
+    steps = [("create", first) for first in created] + [("delete", first) for first in deleted]
+    for done in range(len(steps) + 1):
+        case = tmp_path / f"killed-after-{done}"
+        shutil.copytree(source, case)
+        for action, first in steps[:done]:
+            if action == "create":
+                (case / segment_name(first)).touch()
+            else:
+                (case / segment_name(first)).unlink()
+        with FileStream(case, config) as reopened:
+            kept = [(o, f"r{o:02d}".encode()) for o in range(before, 20)]
+            assert reopened.read(before - 1, 100, 0.0) == kept
+            assert reopened.append(b"next") == 20
+            reopened.trim(before)  # the next trim finishes the job
+        firsts = sorted(segment_files(case))
+        assert firsts[0] <= before < (firsts[1] if len(firsts) > 1 else math.inf)
+
+
+def test_a_log_of_an_earlier_version_is_read_as_its_first_segment(tmp_path: Path) -> None:
+    log_dir = tmp_path / "s"
+    with FileStream(log_dir) as stream:
+        for r in (b"alpha", b"bravo"):
+            stream.append(r)
+    (log_dir / segment_name(0)).rename(log_dir / LEGACY_LOG_NAME)  # the one file earlier versions wrote
+    with FileStream(log_dir) as reopened:
+        assert reopened.read(-1, 10, 0.0) == [(0, b"alpha"), (1, b"bravo")]
+        assert reopened.append(b"charlie") == 2
+    assert sorted(p.name for p in log_dir.glob("records*")) == [segment_name(0)]
+
+
+MULTI_WRITER = """
+import sys, time
+from inflight.buffer.file_stream import FileStream, FileStreamConfig
+stream = FileStream(sys.argv[1], FileStreamConfig(fsync="never", segment_bytes=256))
+print("ready", flush=True)
+for i in range(int(sys.argv[2])):
+    print(stream.append(f"child-{i}".encode()), flush=True)
+    time.sleep(0.002)  # paced, so that the other process rolls and trims between these appends
+"""
+
+
+def test_a_writer_in_another_process_appends_while_this_one_reads_and_trims(tmp_path: Path) -> None:
+    """Segments roll and go under the other writer's feet: it never writes into a deleted one, and the
+    reader here gets every record once, in offset order (a record lost in a deleted file would leave a
+    gap, and this loop would time out)."""
+    log_dir, n = tmp_path / "log", 300
+    with FileStream(log_dir, FileStreamConfig(fsync="never", segment_bytes=256)) as stream:
+        child = subprocess.Popen(
+            [sys.executable, "-c", MULTI_WRITER, str(log_dir), str(n)], stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        seen: list[tuple[int, bytes]] = []
+        appended, deadline = 0, time.monotonic() + 30
+        while len(seen) < 2 * n:
+            assert time.monotonic() < deadline, f"read {len(seen)} of {2 * n} records in 30 s"
+            if appended < n:
+                stream.append(f"parent-{appended}".encode())
+                appended += 1
+                time.sleep(0.002)
+            seen += stream.read(seen[-1][0] if seen else -1, 1000, 0.05)
+            if seen:
+                stream.trim(seen[-1][0] + 1)  # every record read is no longer needed
+        acked = [int(line) for line in child.stdout.read().split()]  # after "ready", read above
+        assert child.wait(timeout=60) == 0
+    assert [offset for offset, _ in seen] == list(range(2 * n))
+    by_offset = dict(seen)
+    assert [by_offset[offset] for offset in acked] == [f"child-{i}".encode() for i in range(n)]
+    parents = [data for _, data in seen if data.startswith(b"parent")]
+    assert parents == [f"parent-{i}".encode() for i in range(n)]
+    assert list(segment_files(log_dir)) == [2 * n]  # the last trim took every record: one empty segment
 
 
 # -- the codec ----------------------------------------------------------------------------------

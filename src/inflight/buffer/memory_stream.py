@@ -9,7 +9,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from inflight.buffer.streams import NO_OFFSET, Stream, check_consumer, check_read_args
+from inflight.buffer.streams import NO_OFFSET, Stream, TrimmedError, check_consumer, check_read_args
 from inflight.errors import UserError
 
 
@@ -17,9 +17,15 @@ class _Log:
     """The records and offsets of one named stream; every handle of that name points here."""
 
     def __init__(self) -> None:
+        self.first = 0  # the offset of records[0]: trim() drops a prefix, the offsets stay
         self.records: list[bytes] = []
         self.offsets: dict[str, int] = {}
         self.changed = threading.Condition()
+
+    @property
+    def end(self) -> int:
+        """The offset the next append gets."""
+        return self.first + len(self.records)
 
 
 _LOGS: dict[str, _Log] = {}
@@ -46,31 +52,42 @@ class MemoryStream(Stream):
         with self._log.changed:
             self._log.records.append(record)
             self._log.changed.notify_all()
-            return len(self._log.records) - 1
+            return self._log.end - 1
 
     def read(self, after: int, max_count: int, timeout_s: float) -> list[tuple[int, bytes]]:
         check_read_args(after, max_count, timeout_s)
         deadline = time.monotonic() + timeout_s
-        with self._log.changed:
-            records = self._log.records
-            while len(records) <= after + 1 and (remaining := deadline - time.monotonic()) > 0:
-                self._log.changed.wait(remaining)
-            first = after + 1
-            return [(first + i, r) for i, r in enumerate(records[first : first + max_count])]
+        log, first = self._log, after + 1
+        with log.changed:
+            while True:
+                if first < log.first:  # checked after every wait too: another handle may have trimmed
+                    raise TrimmedError(self.url, first, log.first)
+                remaining = deadline - time.monotonic()
+                if log.end > first or remaining <= 0:
+                    break
+                log.changed.wait(remaining)
+            start = first - log.first
+            return [(first + i, r) for i, r in enumerate(log.records[start : start + max_count])]
 
     def commit(self, consumer: str, offset: int) -> None:
         check_consumer(consumer)
         with self._log.changed:
-            if not NO_OFFSET <= offset < len(self._log.records):
-                raise ValueError(
-                    f"commit({consumer!r}, {offset}): offset must be in [-1, {len(self._log.records) - 1}]"
-                )
+            end = self._log.end
+            if not NO_OFFSET <= offset < end:
+                raise ValueError(f"commit({consumer!r}, {offset}): offset must be in [-1, {end - 1}]")
             self._log.offsets[consumer] = offset
 
     def committed(self, consumer: str) -> int:
         check_consumer(consumer)
         with self._log.changed:
             return self._log.offsets.get(consumer, NO_OFFSET)
+
+    def trim(self, before: int) -> None:
+        log = self._log
+        with log.changed:
+            drop = min(max(before - log.first, 0), len(log.records))
+            del log.records[:drop]
+            log.first += drop
 
     def close(self) -> None:
         pass  # the records belong to the name, not to this handle

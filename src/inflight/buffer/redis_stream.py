@@ -2,8 +2,9 @@
 
 Record offset n is stored under the stream entry id `0-(n+1)`: `XADD key 0-*` lets Redis (>= 7.0) pick
 the next sequence number atomically, so concurrent writers in any process get dense offsets without a
-script. Committed offsets live in the hash `NAME:offsets`. Durability is whatever the Redis server's
-persistence (AOF/RDB) provides; it knows nothing of what the records mean.
+script. `trim` is `XTRIM MINID`: Redis keeps the stream's last id when entries go (an emptied stream too),
+so offsets never restart. Committed offsets live in the hash `NAME:offsets`. Durability is whatever the
+Redis server's persistence (AOF/RDB) provides; it knows nothing of what the records mean.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from urllib.parse import urlsplit
 
 import redis
 
-from inflight.buffer.streams import NO_OFFSET, Stream, check_consumer, check_read_args, query_options
+from inflight.buffer.streams import (
+    NO_OFFSET,
+    Stream,
+    TrimmedError,
+    check_consumer,
+    check_read_args,
+    query_options,
+)
 from inflight.errors import UserError
 
 _FIELD = b"d"
@@ -86,21 +94,43 @@ class RedisStream(Stream):
             )
             if reply:
                 _, entries = reply[0]
-                return [(_entry_offset(entry_id), fields[_FIELD]) for entry_id, fields in entries]
+                records = [(_entry_offset(entry_id), fields[_FIELD]) for entry_id, fields in entries]
+                if records[0][0] != after + 1:  # offsets are dense: a gap is a trimmed prefix
+                    raise TrimmedError(self.url, after + 1, records[0][0])
+                return records
             if deadline - time.monotonic() <= 0:
+                first_kept, _ = self._bounds()
+                if after + 1 < first_kept:  # nothing there to show a gap: ask where the stream starts
+                    raise TrimmedError(self.url, after + 1, first_kept)
                 return []
 
     def commit(self, consumer: str, offset: int) -> None:
         check_consumer(consumer)
-        length = int(self._client.xlen(self._key))  # records are never trimmed, so XLEN = next offset
-        if not NO_OFFSET <= offset < length:
-            raise ValueError(f"commit({consumer!r}, {offset}): offset must be in [-1, {length - 1}]")
+        _, end = self._bounds()
+        if not NO_OFFSET <= offset < end:
+            raise ValueError(f"commit({consumer!r}, {offset}): offset must be in [-1, {end - 1}]")
         self._client.hset(self._offsets_key, consumer, offset)
+
+    def _bounds(self) -> tuple[int, int]:
+        """The offset of the first record still kept, and the one the next append gets (XLEN counts only
+        what trims left). Both the next append's when the stream holds nothing."""
+        try:
+            info: Any = self._client.xinfo_stream(self._key)
+        except redis.exceptions.ResponseError:  # no such key: nothing appended yet
+            return 0, 0
+        end = _entry_offset(info["last-generated-id"]) + 1
+        first_entry = info["first-entry"]
+        return (_entry_offset(first_entry[0]) if first_entry else end), end
 
     def committed(self, consumer: str) -> int:
         check_consumer(consumer)
         value = self._client.hget(self._offsets_key, consumer)
         return NO_OFFSET if value is None else int(value)
+
+    def trim(self, before: int) -> None:
+        # Exact (not `~`): the entries at or after `before` stay, and every one below goes now.
+        if before > 0:
+            self._client.xtrim(self._key, minid=f"0-{before + 1}", approximate=False)
 
     def close(self) -> None:
         self._client.close()

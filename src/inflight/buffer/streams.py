@@ -1,8 +1,9 @@
 """The `Stream` interface between pipeline stages, and `open_stream(url)` that picks a backend.
 
 A stream is an append-only sequence of byte records with dense integer offsets 0, 1, 2, ... and named
-consumer positions. Backends (one file each): `memory://name`, `file:///path/dir`, `redis://host:port/db?key=name`.
-It knows nothing of what the records mean (see `codec` for RolloutGroups).
+consumer positions; `trim` drops a prefix that no reader needs any more, leaving the offsets of the rest as
+they were. Backends (one file each): `memory://name`, `file:///path/dir`, `redis://host:port/db?key=name`.
+It knows nothing of what the records mean (see `codec` for RolloutGroups) nor who decides what to trim.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ from urllib.parse import parse_qs, urlsplit
 from inflight.errors import UserError
 
 NO_OFFSET = -1  # `committed` of a consumer that never committed; `read(after=NO_OFFSET)` starts at 0
+
+
+class TrimmedError(LookupError):
+    """A read from an offset that `trim` dropped: the caller asked for records it had declared unneeded."""
+
+    def __init__(self, url: str, first: int, first_kept: int) -> None:
+        super().__init__(
+            f"{url}: cannot read from offset {first}: the records before offset {first_kept} were trimmed "
+            "(a checkpoint had made them unnecessary); read from a position at or after it"
+        )
 
 
 class Stream(ABC):
@@ -43,6 +54,13 @@ class Stream(ABC):
     @abstractmethod
     def committed(self, consumer: str) -> int:
         """The last offset `consumer` committed, or NO_OFFSET (-1) if it never did."""
+
+    @abstractmethod
+    def trim(self, before: int) -> None:
+        """Let go of the records with offsets below `before` (`before` past the last record: all of them).
+        Every record at or after `before` stays, at its offset, and appends go on where they were. A backend
+        may keep some records below `before` (the file log deletes whole segment files only); a read from
+        below the first record still kept raises TrimmedError."""
 
     @abstractmethod
     def close(self) -> None:
@@ -90,8 +108,9 @@ def open_stream(url: str) -> Stream:
     """Open (creating if needed) the stream at `url`:
 
     - `memory://name`: in this process; every open of the same name shares the records.
-    - `file:///abs/dir?fsync=interval&fsync_interval_s=1`: an append-only log file in `dir` with
-      checksummed records and consumer offsets in small files (fsync: always | interval | never).
+    - `file:///abs/dir?fsync=interval&fsync_interval_s=1&segment_bytes=4194304`: an append-only log of
+      checksummed records in segment files in `dir` (a trim deletes whole ones) and consumer offsets in
+      small files (fsync: always | interval | never).
     - `redis://host:port/db?key=name`: a Redis stream (Redis >= 7) plus a hash of committed offsets.
     """
     scheme = urlsplit(url).scheme

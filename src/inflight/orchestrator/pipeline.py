@@ -27,11 +27,14 @@ twice because its worker died after writing it) is skipped and counted (`stream_
 
 Resume: a checkpoint holds trainer + optimizer + step, the result stream's read offset, the buffered
 groups and the problems in flight. A restart with the same run directory re-reads the stream past the
-offset, re-issues the problems whose results never reached it, and goes on.
+offset, re-issues the problems whose results never reached it, and goes on. Once a checkpoint is saved,
+the stream is trimmed to its offset (nothing resumes from an older one), so the stream holds what came
+after the latest checkpoint, not the whole run.
 
 Shutdown order: (1) stop admitting prompts; (2) the trainer finishes its last step and writes its
 checkpoint; (3) cancel the rollouts still in flight (their problems are in the checkpoint and will be
-re-issued on resume); (4) stop the engine loop (aborting its requests); (5) close the stream.
+re-issued on resume); (4) stop the engine loop (aborting its requests); (5) the final checkpoint, when
+the trainer's last one was not of the last step; (6) close the stream.
 It begins when the trainer is done, or asked to stop (a signal: `stopping.py`; the trainer's wait for a
 batch looks every second), or when every engine replica stayed down past the client's outage bound
 (`ReplicasDownError`, met by a rollout or by a weight update): the run then stops with a checkpoint and one
@@ -115,6 +118,7 @@ class _Pipeline:
         self.guard = RolloutGuard(cfg.rollout, per_step * cfg.grpo.group_size)
         self.start_step = self._resume()
         self.stream = open_stream(p.stream_url or f"file://{(run_dir / 'streams' / 'results').resolve()}")
+        self.stream.trim(before=self.state.read_offset + 1)  # if a crash came between a save and its trim
         self._recover()  # results that reached the stream before a crash, past the checkpoint's offset
         self.loop: Any = (
             RemoteEngines(
@@ -170,15 +174,19 @@ class _Pipeline:
         """Trainer + optimizer + step + stream offset + buffered groups + problems in flight, atomically."""
         state = self.state
         with state.lock:  # the reader cannot move groups from the stream into the buffer meanwhile
+            read_offset = state.read_offset
             saved = {
                 "buffer": self.buffer.state_dict(),
                 "next_problem": state.next_problem,
-                "read_offset": state.read_offset,
+                "read_offset": read_offset,
                 "in_flight": sorted(state.in_flight | set(state.reissue)),
             }
         self.parts.trainer.save_checkpoint(
             self.run_dir / "checkpoint", extra={"step": step, "pipeline": saved}
         )
+        # Only once the checkpoint is durable: a crash before this line resumes from the previous one, whose
+        # records are all still there. A resume from this one never reads the records up to its offset.
+        self.stream.trim(before=read_offset + 1)
 
     # -- stream -> buffer ---------------------------------------------------------------------------
     def drain(self, timeout_s: float = 0.0) -> int:
@@ -288,7 +296,7 @@ class _Pipeline:
         stop, state = self.parts.stop, self.state
         return state.stopping or state.engines_down is not None or (stop is not None and stop.is_set())
 
-    def train(self, evaluate: Callable[[], dict[str, float]] | None) -> None:
+    def train(self, evaluate: Callable[[], dict[str, Any]] | None) -> None:
         cfg, trainer, loop = self.cfg, self.parts.trainer, self.loop
         title = f"{cfg.recipe} (async GRPO)"
         every = cfg.metrics.print_every_steps
@@ -349,7 +357,7 @@ class _Pipeline:
                     return  # asked to stop (a signal): the shutdown below checkpoints this step
 
     # -- wiring ---------------------------------------------------------------------------------------
-    def run(self, evaluate: Callable[[Driver], dict[str, float]] | None) -> list[dict[str, float]]:
+    def run(self, evaluate: Callable[[Driver], dict[str, Any]] | None) -> list[dict[str, float]]:
         # One core each for the engine thread and the trainer (torch's pool is process-wide: a trainer thread
         # here shares it, a trainer process has its own of the same size). Restored at the end: what runs
         # after the pipeline (the final evaluation) has the cores to itself again.
@@ -368,7 +376,7 @@ class _Pipeline:
             if engine_cpus:
                 os.sched_setaffinity(0, cpus)
 
-    def _run(self, evaluate: Callable[[Driver], dict[str, float]] | None) -> list[dict[str, float]]:
+    def _run(self, evaluate: Callable[[Driver], dict[str, Any]] | None) -> list[dict[str, float]]:
         loop, trainer = self.loop, self.parts.trainer
         remote = isinstance(loop, RemoteEngines)
         if not remote:
@@ -410,18 +418,20 @@ class _Pipeline:
                     await loop.aclose()  # (4) the replicas keep running: they are not ours to stop
 
         try:
-            asyncio.run(main())
+            try:
+                asyncio.run(main())
+            finally:
+                if not remote:
+                    loop.stop()  # (4)
+            down = self.state.engines_down
+            failures = [e for e in errors if e is not down]  # the producer raises it to end the run: below
+            if failures:
+                raise failures[0]
+            done = len(self.history) + self.start_step
+            if not self.cfg.checkpoint_every_steps or done % self.cfg.checkpoint_every_steps:
+                self.checkpoint(done)  # (5)
         finally:
-            if not remote:
-                loop.stop()  # (4)
-            self.stream.close()  # (5)
-        down = self.state.engines_down
-        failures = [e for e in errors if e is not down]  # the producer raises it to end the run: said below
-        if failures:
-            raise failures[0]
-        done = len(self.history) + self.start_step
-        if not self.cfg.checkpoint_every_steps or done % self.cfg.checkpoint_every_steps:
-            self.checkpoint(done)
+            self.stream.close()  # (6): after the final checkpoint, which trims it
         if down is not None:
             replicas = ", ".join(f"{url} ({error})" for url, error in down.down.items())
             raise UserError(
@@ -451,15 +461,16 @@ def run_pipeline(
     cfg: RunConfig,
     logger: MetricsLogger,
     run_dir: str | Path,
-    evaluate: Callable[[Driver], dict[str, float]] | None = None,
+    evaluate: Callable[[Driver], dict[str, Any]] | None = None,
     launcher_metrics: Callable[[], dict[str, float]] | None = None,
     players: GroupPlayer | None = None,
 ) -> list[dict[str, float]]:
     """Train up to cfg.grpo.steps steps (continuing a checkpoint in run_dir); returns this run's metrics.
 
     `evaluate(driver)` (the held-out evaluation) gets a driver into the engine loop (or the replicas),
-    from the trainer's thread while the pipeline runs. `launcher_metrics()`: what the launcher counts
-    (replica restarts, say), logged with every step. `players`: where the groups are played, when not on
-    this process's event loop (a launcher's rollout workers).
+    from the trainer's thread while the pipeline runs; its row (`run.eval_row`) is logged as phase=eval.
+    `launcher_metrics()`: what the launcher counts (replica restarts, say), logged with every step.
+    `players`: where the groups are played, when not on this process's event loop (a launcher's rollout
+    workers).
     """
     return _Pipeline(parts, cfg, logger, Path(run_dir), launcher_metrics, players).run(evaluate)
