@@ -82,11 +82,22 @@ def _start_vllm(
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflight bench engine", description=__doc__)
-    parser.add_argument("--batch-size", type=at_least(1), default=64)
-    parser.add_argument("--new-tokens", type=at_least(1), default=32)
-    parser.add_argument("--prompt-tokens", type=at_least(1), default=16)
-    parser.add_argument("--repeats", type=at_least(1), default=5, help="timed runs of each, best kept")
-    parser.add_argument("--top-k", type=at_least(0), default=0, help="applied to all (0 = off)")
+    parser.add_argument(
+        "--batch-size", type=at_least(1), default=64, help="prompts sampled together (default %(default)s)"
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=at_least(1),
+        default=32,
+        help="tokens generated per prompt, exactly (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=at_least(1), default=16, help="tokens per prompt (default %(default)s)"
+    )
+    parser.add_argument(
+        "--repeats", type=at_least(1), default=5, help="timed runs of each, best kept (default %(default)s)"
+    )
+    parser.add_argument("--top-k", type=at_least(0), default=0, help="applied to all (0 = off, the default)")
     parser.add_argument(
         "--threads",
         type=at_least(1),

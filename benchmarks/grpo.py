@@ -48,9 +48,18 @@ class DistinctCharsEnv(Environment[TextAction, TextObservation, State]):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflight bench grpo", description=__doc__)
-    parser.add_argument("--prompts", type=at_least(1), default=8)
-    parser.add_argument("--samples", type=at_least(2), default=8)
-    parser.add_argument("--new-tokens", type=at_least(1), default=32)
+    parser.add_argument(
+        "--prompts", type=at_least(1), default=8, help="prompts per step (default %(default)s)"
+    )
+    parser.add_argument(
+        "--samples", type=at_least(2), default=8, help="samples per prompt, the group (default %(default)s)"
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=at_least(1),
+        default=32,
+        help="generated tokens per sample; every reply runs to it (default %(default)s)",
+    )
     parser.add_argument(
         "--steps", type=at_least(1), default=5, help="measured steps (after one warm-up step)"
     )

@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
         default="auto",
         help="base weights, as `inflight serve --dtype` (default: the service's, auto)",
     )
-    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument(
+        "--repeats", type=at_least(1), default=3, help="timed runs of each, best kept (default %(default)s)"
+    )
     parser.add_argument(
         "--threads", type=at_least(1), default=None, help="torch threads (default: torch's choice)"
     )

@@ -64,7 +64,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--new-tokens", type=at_least(1), default=32, help="generated tokens per sample, at most"
     )
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--lr", type=float, default=1e-3, help="learning rate, the same on every side (default %(default)s)"
+    )
     parser.add_argument("--sides", default="async,sync,trl", help="comma-separated subset of async,sync,trl")
     parser.add_argument("--run-dir", help="where the model, logs and result go (default runs/bench-trl-TIME)")
     parser.add_argument("--trl-version", default=TRL_VERSION, help="the trl release to pin")

@@ -17,9 +17,11 @@ import pytest
 from pydantic import ValidationError
 
 from inflight.api.app import BackgroundServer, create_app
-from inflight.api.auth import OPEN_PATHS, ApiKeyMiddleware, check_api_keys, is_loopback
+from inflight.api.auth import OPEN_PATHS, ApiKeyMiddleware, check_api_keys, check_listening, is_loopback
 from inflight.api.service import ServiceConfig
+from inflight.envs.openenv_server import OpenEnvServerConfig
 from inflight.errors import UserError
+from inflight.inference.server import EngineServerConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 KEY = "tml-secret"
@@ -61,7 +63,11 @@ def test_a_blank_key_is_refused_everywhere(keys: list[str], tmp_path: Path) -> N
     ("args", "message"),
     [
         (["--host", "127.1", "--api-key", ""], "empty or blank"),
-        (["--host", "127.0.0.1", "--api-key", "   "], "empty or blank"),
+        (["--host", "127.0.0.1", "--api-key", "   "], "e.g. `--api-key tml-$(openssl rand -hex 32)`"),
+        # Every tinker SDK refuses an api_key without tml-: a server with such a key admits no SDK client.
+        (["--api-key", "secret"], "API key #1 does not start with 'tml-'"),
+        (["--api-key", KEY, "--api-key", "secret"], "pass `--api-key tml-$(openssl rand -hex 32)`"),
+        (["--host", "0.0.0.0", "--api-key", "tml"], "API key #1 does not start with 'tml-'"),
         (["--host", "0.0.0.0"], "refusing to serve on '0.0.0.0'"),
         (["--host", "::"], "refusing to serve on '::'"),
     ],
@@ -89,6 +95,23 @@ def test_serve_refuses_in_one_line_before_loading_a_model(
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_key_without_the_sdks_prefix_is_refused_by_the_service_only(tmp_path: Path) -> None:
+    """Every tinker SDK refuses an api_key that lacks `tml-` before it sends anything, so `inflight serve`
+    (its flag, its config) refuses such a key in one line naming the fix. The engine and env servers, whose
+    clients are inflight's own and send any key, take one without it, through the same shared checks."""
+    with pytest.raises(
+        UserError, match=r"does not start with 'tml-'.*--api-key tml-\$\(openssl rand -hex 32\)"
+    ):
+        check_listening("127.0.0.1", ["secret"])
+    with pytest.raises(ValidationError, match="does not start with 'tml-'"):
+        ServiceConfig(base_models={"tiny": "unused"}, state_dir=tmp_path, api_keys=["secret"])
+    assert check_listening("0.0.0.0", [KEY]) == [KEY]
+    assert check_api_keys(["secret"]) == ["secret"]
+    assert EngineServerConfig(api_keys=["secret"]).api_keys == ["secret"]
+    assert OpenEnvServerConfig(api_keys=["secret"]).api_keys == ["secret"]
+    ApiKeyMiddleware(lambda *args: None, api_keys=["secret"])  # type: ignore[arg-type]
 
 
 def test_with_a_key_only_the_documented_routes_are_open(tiny_model_dir: Path, tmp_path: Path) -> None:

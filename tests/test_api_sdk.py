@@ -18,7 +18,7 @@ import pytest
 import tinker
 import torch
 
-from inflight.api.app import BackgroundServer, create_app, serve
+from inflight.api.app import BackgroundServer, create_app, load_compute, serve
 from inflight.api.service import ServiceConfig
 from inflight.api.worker import WorkerConfig
 from inflight.errors import UserError
@@ -307,6 +307,37 @@ def test_api_keys_are_enforced(tiny_model_dir: Path, tmp_path: Path) -> None:
             tinker.RestClient(base_url=running.url, api_key="tml-secret").get_server_capabilities().result()
         )
         assert caps.supported_models[0].model_name == BASE
+
+
+def test_a_refused_training_client_leaves_no_training_run(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create_lora_training_client that the worker refuses used to stay listed: with `serve --engine vllm`,
+    list_training_runs counted 2 runs after one refused LoRA (train_unembed=True, where vLLM cannot adapt
+    the LM head) and one created. The SDK raised instead of handing out the model's id, so it is no training
+    run: not listed, not counted, and its id answers 404. The compute here is told what `--engine vllm`
+    tells it (`app.py`: the modules vLLM's LoRA adapts), so the refusal is that one, without vLLM."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    config = ServiceConfig(base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path)
+    compute = load_compute(config)
+    compute.sample_only_on(
+        BASE, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    with BackgroundServer(create_app(config, compute=compute)) as running:
+        service = tinker.ServiceClient(base_url=running.url, api_key="tml-test")
+        with pytest.raises(tinker.TinkerError, match="create the LoRA with train_unembed=False"):
+            service.create_lora_training_client(base_model=BASE, rank=4).result()
+        training = service.create_lora_training_client(base_model=BASE, rank=4, train_unembed=False).result()
+        created = training.model_id
+        rest = tinker.RestClient(base_url=running.url, api_key="tml-test")
+        runs = rest.list_training_runs().result()
+        assert [run.training_run_id for run in runs.training_runs] == [created]
+        assert runs.cursor.total_count == 1
+        refused = created.rpartition(":")[0] + ":0"  # the session's first model id: the refused one
+        assert created != refused
+        with pytest.raises(tinker.NotFoundError, match="its creation failed"):
+            rest.get_training_run(refused).result()
+        assert rest.get_training_run(created).result().training_run_id == created
 
 
 def test_non_loopback_without_keys_is_refused(tmp_path: Path) -> None:

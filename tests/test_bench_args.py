@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import one_line_error
-from inflight.cli import main
+from inflight.cli import BENCHMARKS, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Every count-like option of every benchmark, and the least value it takes.
@@ -139,3 +139,31 @@ def test_a_zero_count_from_the_real_entry_point() -> None:
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith("usage: inflight bench sandbox ")
     assert lines[-1] == "inflight bench sandbox: error: argument --concurrency: must be at least 1, got 0"
+
+
+def test_bench_without_a_name_names_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`inflight bench` alone used to answer "the following arguments are required: name, args", though every
+    option of a benchmark is optional: now one line naming the benchmarks there are."""
+    line = one_line_error(capsys, "bench")
+    assert f"NAME one of {', '.join(BENCHMARKS)}" in line and "required" not in line, line
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_option_of_a_benchmark_says_what_it_is(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`inflight bench engine --help` listed --batch-size, --new-tokens and --prompt-tokens with nothing
+    after them (and grpo, serve and trl had such options too)."""
+    parsers: list[argparse.ArgumentParser] = []
+
+    def keep_and_stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        if self.prog == "inflight":
+            return parse_args(self, *args, **kwargs)
+        parsers.append(self)
+        raise Parsed(None)
+
+    parse_args = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep_and_stop)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # `inflight bench` puts the repository root first
+    with pytest.raises(Parsed):
+        main(["bench", name])
+    undescribed = [action.option_strings for action in parsers[0]._actions if not action.help]
+    assert not undescribed, f"`inflight bench {name} --help` says nothing about {undescribed}"

@@ -72,6 +72,42 @@ def test_help_lists_commands() -> None:
         assert command in proc.stdout
 
 
+@pytest.mark.parametrize(
+    ("command", "described"),
+    [
+        (
+            ["serve"],
+            [
+                "--host HOST address to listen on (default 127.0.0.1)",
+                "--port PORT port to listen on (default 8000)",
+                "--state-dir STATE_DIR checkpoints and the default database (default inflight-serve,",
+            ],
+        ),
+        (
+            ["serve-engine"],
+            [
+                "--host HOST address to listen on (default 127.0.0.1)",
+                "--port PORT port to listen on (default 8100)",
+            ],
+        ),
+        (
+            ["env", "serve"],
+            ["--host HOST address to listen on (default 127.0.0.1)", "--port PORT default 8200;"],
+        ),
+    ],
+)
+def test_the_servers_help_names_where_they_listen_by_default(
+    command: list[str], described: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inflight serve --help` and `serve-engine --help` listed --host, --port and --state-dir without their
+    defaults."""
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # as one line: argparse wraps to the terminal
+    for option in described:
+        assert option in text, text
+
+
 def test_model_tiny_command_writes_a_model(tmp_path: Path) -> None:
     assert main(["model", "tiny", "--out", str(tmp_path / "m"), "--seed", "3"]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()

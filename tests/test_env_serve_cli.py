@@ -2,7 +2,8 @@
 use or unresolvable, a session limit below 1, a public bind without a key, a blank key); the line printed
 names the port bound (`--port 0`); with a key every route but /health, the /ws handshake included, needs it,
 which inflight's OpenEnv client sends from $INFLIGHT_ENV_API_KEY (openenv-core's own client sends no
-headers); request bodies are bounded (413) and a 422 never echoes a large input.
+headers); request bodies are bounded (413) and a 422 never echoes a large input; a /ws client that leaves
+without OpenEnv's close message costs the log no traceback.
 
 Reference: the QA pass on `env serve` (`--port 70000` printed one port and listened on another, `--port 0`
 printed `:0`, a port in use printed "serving" then a uvicorn error, `--max-sessions 0` a traceback, a public
@@ -19,6 +20,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -87,8 +90,14 @@ def test_the_key_comes_from_the_flags_else_the_environment(monkeypatch: pytest.M
         env_api_keys([])
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str  # from the line the server prints
+    log: Path  # its stdout and stderr
+
+
 @pytest.fixture(scope="module")
-def keyed_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """`inflight env serve blackjack --port 0 --api-key KEY`, as a user starts it; its URL from the line it
     prints."""
     log = tmp_path_factory.mktemp("env-serve") / "server.log"
@@ -115,7 +124,7 @@ def keyed_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                     break
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        yield url
+        yield Served(url, log)
     finally:
         proc.terminate()
         try:
@@ -123,6 +132,11 @@ def keyed_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def keyed_url(keyed_server: Served) -> str:
+    return keyed_server.url
 
 
 def test_with_a_key_every_route_but_health_and_the_ws_handshake_need_it(keyed_url: str) -> None:
@@ -176,3 +190,29 @@ def test_request_bodies_are_bounded_and_a_422_quotes_little_of_its_input(keyed_u
             assert error["input"].endswith("characters)") and "..." in error["input"], error
         small = http.post("/reset", json={"seed": "abc"})  # a small input is quoted as it came
         assert small.status_code == 422 and small.json()["detail"][0]["input"] == "abc"
+
+
+def test_a_client_that_leaves_without_openenvs_close_message_costs_no_traceback(keyed_server: Served) -> None:
+    """A /ws client that ends with a plain close (no `{"type": "close"}` first), or drops the connection,
+    used to cost a ~60-line "Exception in ASGI application ... WebSocketDisconnect" traceback in the
+    server's log per session: openenv-core's endpoint closes the socket again in its `finally`. Now such a
+    disconnect logs nothing at the server's level (warnings), and the server goes on serving."""
+    ws_url = keyed_server.url.replace("http://", "ws://") + "/ws"
+    headers = {"X-API-Key": KEY}
+    logged_before = len(keyed_server.log.read_text())
+    for ending in ("close", "drop"):
+        with connect(ws_url, open_timeout=10, additional_headers=headers) as ws:
+            ws.send('{"type": "reset", "data": {"seed": 1}}')
+            assert '"observation"' in str(ws.recv(timeout=10))
+            if ending == "drop":
+                ws.socket.close()  # no close frame at all
+        # else the block's end sent a close frame, without OpenEnv's close message
+    deadline = time.monotonic() + 5  # the traceback came within milliseconds of the disconnect
+    while time.monotonic() < deadline and "Traceback" not in keyed_server.log.read_text()[logged_before:]:
+        time.sleep(0.1)
+    logged = keyed_server.log.read_text()[logged_before:]
+    assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged
+    assert len(logged.splitlines()) <= 2, logged  # at most one short line per disconnect
+    with connect(ws_url, open_timeout=10, additional_headers=headers) as ws:  # still serving
+        ws.send('{"type": "reset", "data": {"seed": 2}}')
+        assert '"observation"' in str(ws.recv(timeout=10))

@@ -16,12 +16,10 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -35,11 +33,13 @@ from inflight.cli import main
 from inflight.config import apply_overrides
 from inflight.errors import UserError
 from inflight.inference.access import API_KEY_ENV
+from inflight.inference.scratch import ScratchDirectory
 from inflight.launch.ray import RAY_MISSING, bundles
 from inflight.orchestrator.target import resolve_target
 from inflight.trainer.checkpoint import checkpoint_step
 
 pytestmark = pytest.mark.slow
+RAY_TEMP_PREFIX = "inflight-ray"  # the private Rays' temp dirs (`ray_temp_dir`)
 
 
 def tiny_run(model_dir: Path, steps: int, warmup_steps: int = 20) -> list[str]:
@@ -72,18 +72,39 @@ def own_engine_key() -> Iterator[None]:
             os.environ[API_KEY_ENV] = before
 
 
+def ray_temp_dir() -> ScratchDirectory:
+    """A private Ray's temp directory (its session's logs and sockets, ~225 KB): in /tmp, short (Ray's socket
+    paths must stay < 108 characters), and removed however this process ends (`ScratchDirectory`'s watcher,
+    else the next one's sweep). A `tempfile.mkdtemp(prefix="ray-")` stayed behind whenever pytest was
+    killed, and always for SERVE_ON_A_RAY_WITH_GPUS's child, which makes its own the same way."""
+    return ScratchDirectory("/tmp", prefix=RAY_TEMP_PREFIX)
+
+
+def wait_gone(path: Path, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not path.exists()
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
     """A private local Ray (two logical CPUs, its own temp dir), shut down after this module's tests."""
     import ray
 
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+    temp_dir = ray_temp_dir()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=str(temp_dir.path),
+    )
     try:
         yield ray
     finally:
         ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        temp_dir.close()
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str, exit_code: int = 0) -> dict[str, Any]:
@@ -667,7 +688,17 @@ def test_serve_places_its_sampling_engine_on_ray(
         assert 1 <= len(sequence.tokens) <= 6 and len(sequence.logprobs or []) == len(sequence.tokens)
     left = ray_cluster.util.list_named_actors()
     assert not [n for n in left if n.endswith((":engine-tiny", ":trainer"))], left
+    assert not progress_bars_in_actor_logs(), progress_bars_in_actor_logs()
     wait_until_released(ray_cluster)
+
+
+def progress_bars_in_actor_logs() -> list[str]:
+    """The lines of this process's private Rays' worker logs that redraw a progress bar ("\r"): Ray
+    forwards each to the driver, where it read as an empty coloured "(EngineReplica pid=...)" line followed
+    by transformers' "Loading weights" bars. An actor's stderr is no terminal, so it shows none
+    (`models/loader.py`'s hf_progress_bars)."""
+    logs = Path("/tmp").glob(f"{RAY_TEMP_PREFIX}-{os.getpid()}-*/session_*/logs/worker-*")
+    return [line for log in logs for line in log.read_text(errors="replace").split("\n") if "\r" in line]
 
 
 def test_the_services_training_actor_raises_its_errors_as_they_are(
@@ -962,12 +993,15 @@ def test_gpus_asked_of_a_ray_without_any_are_one_line_naming_the_devices(
 
 
 # A Ray of two logical GPUs on this machine (Ray gives a GPU bundle whatever CUDA says), serving: a child
-# process, since the module's Ray has none and one process holds one Ray.
-SERVE_ON_A_RAY_WITH_GPUS = """
-import sys, tempfile, ray
+# process, since the module's Ray has none and one process holds one Ray. Its temp dir as `ray_temp_dir`'s,
+# named on its first line.
+SERVE_ON_A_RAY_WITH_GPUS = f"""
+import sys, ray
 from inflight.cli import main
-temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=temp_dir)
+from inflight.inference.scratch import ScratchDirectory
+temp_dir = ScratchDirectory("/tmp", prefix="{RAY_TEMP_PREFIX}").path
+print(temp_dir, flush=True)
+ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, _temp_dir=str(temp_dir))
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -1001,6 +1035,8 @@ def test_serve_checks_a_cuda_device_against_the_clusters_gpus_not_this_machines(
     errors = [line for line in done.stderr.splitlines() if line.startswith("inflight: error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr
     assert "the service's training actor is gone" in errors[0] and "ComputeActor" in errors[0], errors
+    ray_dir = Path(done.stdout.splitlines()[0])
+    assert ray_dir.parent == Path("/tmp") and wait_gone(ray_dir), f"{ray_dir} outlived its process"
     wait_until_released(ray_cluster)
 
 
@@ -1089,7 +1125,7 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[str, str]]:
     authentication on: in a temp dir of its own, on free ports, with a token of its own in RAY_AUTH_TOKEN
     (never the user's ~/.ray/auth_token). Yields (its address, its token); stopped after (SIGTERM to
     `ray start --block`, which stops what it started)."""
-    token, temp_dir = uuid.uuid4().hex, tempfile.mkdtemp(prefix="rayh-", dir="/tmp")  # short socket paths
+    token, temp_dir = uuid.uuid4().hex, ray_temp_dir()
     gcs, client, node_manager, objects, agent, agent_grpc, runtime_env, metrics = free_ports(8)
     command = [
         str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={gcs}",
@@ -1097,7 +1133,7 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[str, str]]:
         f"--object-manager-port={objects}", f"--dashboard-agent-listen-port={agent}",
         f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",
         f"--metrics-export-port={metrics}", "--num-cpus=2", "--include-dashboard=false",
-        "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        "--disable-usage-stats", f"--temp-dir={temp_dir.path}",
     ]  # fmt: skip
     log = tmp_path / "ray-head.log"
     with log.open("w") as out:
@@ -1118,7 +1154,7 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[str, str]]:
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)  # its session: the processes this fixture started
             head.wait(30)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        temp_dir.close()
 
 
 def test_a_cluster_with_token_authentication_takes_the_token_and_says_when_it_is_missing(

@@ -23,11 +23,12 @@ from inflight.errors import UserError
 from inflight.inference.scratch import ScratchDirectory, sweep_scratch_directories
 from inflight.inference.vllm_engine import VllmEngine, VllmEngineConfig
 
-# Makes a scratch directory, prints it and its watcher's pid, then ends as argv[2] says.
+# Makes a scratch directory (with the prefix argv[3], if given), prints it and its watcher's pid, then ends
+# as argv[2] says.
 CHILD = """
 import os, signal, sys
 from inflight.inference.scratch import ScratchDirectory
-scratch = ScratchDirectory(sys.argv[1])
+scratch = ScratchDirectory(sys.argv[1], *sys.argv[3:])
 print(scratch.path, scratch._watcher.pid, flush=True)
 if sys.argv[2] == "watcher-killed-too":
     os.kill(scratch._watcher.pid, signal.SIGKILL)
@@ -95,6 +96,28 @@ def test_the_directory_goes_however_its_process_ends(ending: str, tmp_path: Path
     assert made.parent == tmp_path, child.stderr
     assert child.returncode == (0 if ending == "exit" else -getattr(signal, ending)), child.stderr
     assert wait_gone(made)
+
+
+def test_a_directory_of_another_prefix_goes_with_its_process_and_is_swept_only_by_its_own(
+    tmp_path: Path,
+) -> None:
+    """The tests' private Rays keep their temp dirs (~225 KB of session logs) in one of these, prefix
+    `inflight-ray`: made with `mkdtemp(prefix="ray-")`, they stayed in /tmp whenever the process was killed
+    (tests/test_launch_ray.py). A sweep removes dead processes' directories of its own prefix only."""
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path), "SIGKILL", "inflight-ray"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    made = Path(child.stdout.split()[0])
+    assert made.parent == tmp_path and made.name.startswith("inflight-ray-"), child.stderr
+    assert wait_gone(made)
+    ray_dir, vllm_dir = (tmp_path / f"inflight-{kind}-{gone_pid()}-x1" for kind in ("ray", "vllm"))
+    ray_dir.mkdir()
+    vllm_dir.mkdir()
+    assert sweep_scratch_directories(tmp_path, "inflight-ray") == [ray_dir]
+    assert vllm_dir.is_dir()
 
 
 def test_a_directory_whose_watcher_was_killed_too_is_swept_by_the_next(tmp_path: Path) -> None:

@@ -101,6 +101,11 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.name is None:
+        raise UserError(
+            f"which benchmark? `inflight bench NAME [OPTIONS]`, NAME one of {', '.join(BENCHMARKS)} "
+            "(e.g. `inflight bench engine`; its options: `inflight bench engine --help`)"
+        )
     # Benchmarks live in the repository's benchmarks/ folder (next to src/), not in the package.
     root = Path(__file__).resolve().parents[2]
     if not (root / "benchmarks").is_dir():
@@ -310,16 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a base model clients may name, and its directory or hub id (repeatable)",
     )
     serve.add_argument("--db", default=None, help="SQLAlchemy URL (default sqlite in --state-dir)")
-    serve.add_argument("--state-dir", default="inflight-serve", help="checkpoints and the default database")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--state-dir",
+        default="inflight-serve",
+        help="checkpoints and the default database (default %(default)s, in the current directory)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
     serve.add_argument(
         "--api-key",
         action="append",
         default=[],
-        help="accepted X-API-Key (repeatable; empty or blank keys are refused); each key is a tenant that "
-        "sees only its own runs, checkpoints and futures (docs/security.md); without one the server only "
-        "listens on loopback",
+        help="accepted X-API-Key (repeatable), starting with tml- as every tinker SDK requires of its "
+        "api_key, e.g. tml-$(openssl rand -hex 32); empty or blank keys are refused; each key is a tenant "
+        "that sees only its own runs, checkpoints and futures (docs/security.md); without one the server "
+        "only listens on loopback",
     )
     serve.add_argument(
         "--dtype",
@@ -388,8 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="builtin",
         help="inflight's own engine, or vLLM (run by the python `python -m inflight.launch.vllm_env` prints)",
     )
-    serve_engine.add_argument("--host", default="127.0.0.1")
-    serve_engine.add_argument("--port", type=int, default=8100)
+    serve_engine.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default %(default)s)"
+    )
+    serve_engine.add_argument(
+        "--port", type=int, default=8100, help="port to listen on (default %(default)s)"
+    )
     serve_engine.add_argument(
         "--api-key",
         action="append",
@@ -462,8 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
         "needs an API key (docs/security.md). Bad input is one line on stderr and exit code 2.",
     )
     env_serve.add_argument("name", help="environment name, e.g. blackjack")
-    env_serve.add_argument("--host", default="127.0.0.1")
-    env_serve.add_argument("--port", type=int, default=8200, help="0: a free one (the line printed names it)")
+    env_serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    env_serve.add_argument(
+        "--port",
+        type=int,
+        default=8200,
+        help="default %(default)s; 0: a free one (the line printed names it)",
+    )
     env_serve.add_argument(
         "--api-key",
         action="append",
@@ -492,9 +511,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="same seed -> byte-identical files")
     tiny.set_defaults(func=_cmd_model_tiny)
 
-    bench = sub.add_parser("bench", help="run a benchmark; prints one JSON line last")
-    bench.add_argument("name", choices=BENCHMARKS)
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark; prints one JSON line last",
+        description="Run one of the benchmarks in benchmarks/ (results and commands: docs/benchmarks.md), "
+        "e.g. `inflight bench engine --batch-size 8`; its options: `inflight bench NAME --help`.",
+    )
+    # Optional here so that a missing NAME is _cmd_bench's line naming the benchmarks, not argparse's
+    # "required: name, args" (a benchmark's arguments are all optional).
+    bench.add_argument("name", nargs="?", choices=BENCHMARKS, metavar="NAME", help=", ".join(BENCHMARKS))
+    bench.add_argument(
+        "args", nargs=argparse.REMAINDER, help="the benchmark's options (all optional; see its --help)"
+    )
     bench.set_defaults(func=_cmd_bench)
 
     plot = sub.add_parser("plot", help="write a PNG of a run's reward and loss curves")

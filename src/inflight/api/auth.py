@@ -27,6 +27,10 @@ BEARER_PATHS = frozenset({"/metrics"})
 # The tenant of every request to a server without keys (loopback only): one shared namespace. No key's
 # tenant is ever "" (`tenant_of` is 16 hex digits), so rows in it are invisible to every key.
 SHARED_TENANT = ""
+# What every tinker SDK requires its api_key to start with ("The api_key must start with the 'tml-'
+# prefix"): a service key without it would lock every SDK client out. Only `inflight serve`'s keys: the
+# engine and env servers' clients are inflight's own.
+TINKER_KEY_PREFIX = "tml-"
 
 
 def tenant_of(api_key: str | bytes) -> str:
@@ -58,27 +62,41 @@ def is_loopback(host: str) -> bool:
     return bool(addresses) and all(ipaddress.ip_address(address).is_loopback for address in addresses)
 
 
-def check_api_keys(api_keys: Sequence[str]) -> list[str]:
+def check_api_keys(api_keys: Sequence[str], prefix: str = "") -> list[str]:
     """The keys, refused (UserError) if any is empty or blank: an empty key would read as "no key" and
-    switch authentication off."""
+    switch authentication off. With `prefix` (`inflight serve`'s TINKER_KEY_PREFIX), a key without it is
+    refused too."""
     blank = [i for i, key in enumerate(api_keys) if not key.strip()]
     if blank:
         raise UserError(
             f"API key #{blank[0] + 1} is empty or blank, which would turn authentication off: pass a real "
-            "secret with --api-key (e.g. from `openssl rand -hex 32`), or no --api-key on a loopback host"
+            f"secret, e.g. `--api-key {prefix}$(openssl rand -hex 32)`, or no --api-key on a loopback host"
+        )
+    unprefixed = [i for i, key in enumerate(api_keys) if not key.startswith(prefix)]
+    if unprefixed:  # never quoted: the message may end up in a log
+        raise UserError(
+            f"API key #{unprefixed[0] + 1} does not start with {prefix!r}, and every tinker SDK refuses an "
+            f"api_key without it, so no client could send it: pass "
+            f"`--api-key {prefix}$(openssl rand -hex 32)`"
         )
     return list(api_keys)
 
 
-def _validated_keys(value: list[str]) -> list[str]:
+def _validated_keys(value: list[str], prefix: str = "") -> list[str]:
     try:
-        return check_api_keys(value)
+        return check_api_keys(value, prefix)
     except UserError as exc:  # pydantic reports ValueErrors as validation errors
         raise ValueError(str(exc)) from None
 
 
-# A config's API keys (`ServiceConfig`, `EngineServerConfig`): a blank one is a validation error.
+def _validated_tinker_keys(value: list[str]) -> list[str]:
+    return _validated_keys(value, TINKER_KEY_PREFIX)
+
+
+# A config's API keys (`EngineServerConfig`): a blank one is a validation error.
 ApiKeys = Annotated[list[str], AfterValidator(_validated_keys)]
+# The Tinker service's (`ServiceConfig`): a blank one, or one without TINKER_KEY_PREFIX, too.
+TinkerApiKeys = Annotated[list[str], AfterValidator(_validated_tinker_keys)]
 
 
 def keys_from(flags: Sequence[str], env_var: str) -> list[str]:
@@ -97,13 +115,16 @@ def keys_from(flags: Sequence[str], env_var: str) -> list[str]:
 
 
 def check_listening(host: str, api_keys: Sequence[str]) -> list[str]:
-    """The keys (`check_api_keys`), and a refusal to listen beyond loopback without one. Light (no torch):
-    the CLI calls it before it imports the service, so the refusal takes no time."""
-    api_keys = check_api_keys(api_keys)  # a blank key would read as none and open every route
+    """`inflight serve`'s keys (`check_api_keys`, each with TINKER_KEY_PREFIX), and a refusal to listen
+    beyond loopback without one. Light (no torch): the CLI calls it before it imports the service, so the
+    refusal takes no time."""
+    # A blank key would read as none and open every route; one without the prefix, no SDK could send.
+    api_keys = check_api_keys(api_keys, TINKER_KEY_PREFIX)
     if not api_keys and not is_loopback(host):
         raise UserError(
             f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "
-            "sample. Pass --api-key KEY (clients send it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
+            f"sample. Pass --api-key {TINKER_KEY_PREFIX}SECRET (clients send it as X-API-Key / "
+            "TINKER_API_KEY), or bind 127.0.0.1"
         )
     return api_keys
 

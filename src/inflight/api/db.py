@@ -101,6 +101,11 @@ class SessionRow(Base):
     tenant: Mapped[str] = tenant_column()
 
 
+# A model's status once its creation (create_model, or a create-via-load) failed: the client got that
+# error, never the model's id, so it is no training run (not listed).
+CREATION_FAILED = "failed"
+
+
 class ModelRow(Base):
     """A training run: one LoRA adapter (and its optimizer state) on a base model."""
 
@@ -114,7 +119,8 @@ class ModelRow(Base):
     lora_rank: Mapped[int]
     lora_config: Mapped[dict[str, Any]]  # the full wire LoraConfig: seed, train_attn/mlp/unembed
     optimizer_type: Mapped[str] = mapped_column(String(32), default="adamw")
-    # creating | ready | failed | lost (live weights gone after a restart; reload from a checkpoint)
+    # creating | ready | failed (CREATION_FAILED: no training run) | lost (live weights gone after a restart;
+    # reload from a checkpoint) | unloaded (its session finished)
     status: Mapped[str] = mapped_column(String(16), default="creating")
     user_metadata: Mapped[dict[str, Any] | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

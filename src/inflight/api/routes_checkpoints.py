@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query
 from sqlalchemy import func, select
 
 from inflight.api.checkpoints import StoredCheckpoint
-from inflight.api.db import FutureRow, ModelRow
+from inflight.api.db import CREATION_FAILED, FutureRow, ModelRow
 from inflight.api.ids import CheckpointKind, check_model_id, checkpoint_path, parse_checkpoint_path
 from inflight.api.schemas import (
     MAX_COUNT,
@@ -25,7 +25,7 @@ from inflight.api.schemas import (
     WeightsInfoRequest,
     WeightsInfoResponse,
 )
-from inflight.api.service import ServiceState, StateDep, TenantDep
+from inflight.api.service import NotFoundError, ServiceState, StateDep, TenantDep
 from inflight.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
@@ -49,7 +49,9 @@ def list_training_runs(
     limit: int = Query(default=20, ge=1, le=1000),
     offset: int = Query(default=0, ge=0, le=MAX_COUNT),  # SQLite and PostgreSQL take 64-bit offsets only
 ) -> TrainingRunsResponse:
-    mine = ModelRow.tenant == tenant
+    # A model whose creation failed (its create_model, or a create-via-load) is no training run: the SDK
+    # raised that error instead of handing out its id. Its row stays, for the error its id then gets.
+    mine = (ModelRow.tenant == tenant) & (ModelRow.status != CREATION_FAILED)
     with state.db.read() as session:
         total = session.scalar(select(func.count()).select_from(ModelRow).where(mine)) or 0
         model_ids = session.scalars(
@@ -141,6 +143,11 @@ def weights_info(body: WeightsInfoRequest, state: StateDep, tenant: TenantDep) -
 
 def _training_run(state: ServiceState, model_id: str, tenant: str) -> TrainingRun:
     row = state.model(model_id, tenant=tenant)
+    if row.status == CREATION_FAILED:
+        raise NotFoundError(
+            f"{model_id!r} is no training run: its creation failed (see its create_model or load_weights "
+            "error); create a new training client"
+        )
     with state.db.read() as session:
         last_request = session.scalar(
             select(func.max(FutureRow.created_at)).where(FutureRow.model_id == model_id)
@@ -151,7 +158,6 @@ def _training_run(state: ServiceState, model_id: str, tenant: str) -> TrainingRu
         training_run_id=model_id,
         base_model=row.base_model,
         model_owner=MODEL_OWNER,
-        corrupted=row.status == "failed",
         lora_rank=row.lora_rank,
         last_request_time=last_request or row.created_at,
         last_checkpoint=_info(last["state"]) if "state" in last else None,

@@ -21,7 +21,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inflight.api.archives import ArchiveSigner
-from inflight.api.auth import ApiKeys, scope_tenant
+from inflight.api.auth import TinkerApiKeys, scope_tenant
 from inflight.api.checkpoints import CheckpointStore
 from inflight.api.db import Database, ModelRow, SessionRow
 from inflight.api.futures import Future, FutureStore, RequestType
@@ -40,7 +40,7 @@ class ServiceConfig(BaseModel):
     base_models: dict[str, str] = Field(min_length=1)  # name clients use -> model dir or hub id
     state_dir: Path  # checkpoints, and the SQLite database unless db_url is set
     db_url: str | None = None
-    api_keys: ApiKeys = Field(default_factory=list)
+    api_keys: TinkerApiKeys = Field(default_factory=list)  # each starting with tml- (auth.TINKER_KEY_PREFIX)
     long_poll_hold_s: float = Field(default=25.0, gt=0)
     # Bodies of the routes that carry training and sampling data (forward_backward, forward, asample),
     # which parse them in the thread pool; every other route's body (sessions, models, optimizer steps,

@@ -39,7 +39,15 @@ from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
 from inflight.api.checkpoints import CheckpointStore
-from inflight.api.db import Database, FutureRow, ModelRow, SamplingSessionRow, SessionRow, utcnow
+from inflight.api.db import (
+    CREATION_FAILED,
+    Database,
+    FutureRow,
+    ModelRow,
+    SamplingSessionRow,
+    SessionRow,
+    utcnow,
+)
 from inflight.api.futures import (
     FIRST_SEQ_ID,
     ClaimedHeads,
@@ -421,7 +429,7 @@ class EngineWorker:
                     future.model_id, request.base_model, jobs.lora_spec(request.lora_config)
                 )
             except Exception:
-                self._set_model_status(future.model_id, "failed")
+                self._set_model_status(future.model_id, CREATION_FAILED)
                 raise
         self._set_model_status(future.model_id, "ready")
         return CreateModelResponse(model_id=future.model_id).model_dump_json().encode()
@@ -440,7 +448,7 @@ class EngineWorker:
             self.compute.load_state(future.model_id, checkpoint.storage_dir, load_optimizer=request.optimizer)
         except Exception:
             if future.seq_id == 0:  # create-via-load: the model exists only through this request
-                self._set_model_status(future.model_id, "failed")
+                self._set_model_status(future.model_id, CREATION_FAILED)
             raise
         self._set_model_status(future.model_id, "ready")
         return LoadWeightsResponse(path=request.path, model_id=future.model_id).model_dump_json().encode()
@@ -691,11 +699,11 @@ class EngineWorker:
         reasons = {
             "lost": "lost its live weights when the server restarted; create a new training client from its "
             "last checkpoint (create_training_client_from_state_with_optimizer) and resubmit",
-            "failed": "failed to be created (see its create_model or load_weights error)",
+            CREATION_FAILED: "failed to be created (see its create_model or load_weights error)",
             "unloaded": "was unloaded when its session finished",
         }
         message = f"model {model_id!r} {reasons.get(status, 'has no live adapter')}"
-        if status == "failed" and self._creation_category(model_id) == "user":
+        if status == CREATION_FAILED and self._creation_category(model_id) == "user":
             raise UserError(message)  # the client's own request (e.g. a LoRA config that trains nothing)
         raise ModelUnavailableError(message)
 

@@ -25,7 +25,9 @@ them. Our Action/Observation models mirror OpenEnv's (same `metadata`, `done`, `
 - who may connect: with API keys (`--api-key`, else $INFLIGHT_ENV_API_KEY) every route but /health,
   the /ws handshake included, needs one as X-API-Key (`api/auth.py`'s check, as `inflight serve` uses
   it); without one the server listens on loopback only (`check_env_listening`). Request bodies are
-  bounded (`max_body_bytes`: 413 past it), since HTTP /reset and /step parse theirs whole.
+  bounded (`max_body_bytes`: 413 past it), since HTTP /reset and /step parse theirs whole;
+- a /ws client that leaves without OpenEnv's close message ends its session quietly
+  (`QuietDisconnects`), not with uvicorn's traceback.
 Cost: importing openenv-core's server takes ~6 s (it pulls in Gradio and fastmcp), once per server.
 """
 
@@ -40,6 +42,8 @@ from typing import TYPE_CHECKING, Any, cast, get_args, get_origin
 
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticCustomError
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocketDisconnect
 
 import inflight
 from inflight.api.auth import (
@@ -58,6 +62,8 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 
+log = logging.getLogger(__name__)
+
 OPEN_PATHS = frozenset({"/health"})  # open with keys too: what readiness probes and launchers poll
 INPUT_QUOTED_CHARS = 200  # of a rejected input, in a 422: enough to recognise it, never a body's worth
 
@@ -70,6 +76,27 @@ class OpenEnvServerConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list, repr=False)
     # An HTTP request body past this is refused (413) before it is parsed: /reset and /step read small JSON.
     max_body_bytes: int = Field(default=2**20, ge=1)
+
+
+class QuietDisconnects:
+    """A /ws client that goes away without OpenEnv's close message (a plain `ws.close()`, a dropped
+    connection) ends its session with one debug line. openenv-core's endpoint handles the disconnect, then
+    closes the socket in its `finally`; that send to a client already gone raises WebSocketDisconnect again,
+    outside its handler, and uvicorn logged it as "Exception in ASGI application" with a ~60-line traceback
+    per session. Only that exception, and only on WebSocket scopes (/ws, /mcp), is absorbed; any other
+    still propagates."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket":
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        except WebSocketDisconnect as exc:
+            log.debug("a %s client went away (close code %s)", scope["path"], exc.code)
 
 
 class EnvRaised(RuntimeError):
@@ -147,6 +174,7 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
     )
     app.title = f"inflight env {name} (OpenEnv protocol)"
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(QuietDisconnects)
     if config.api_keys:  # added last, so it runs first: no body of a request without a key is read
         keys = check_api_keys(config.api_keys)
         app.add_middleware(ApiKeyMiddleware, api_keys=keys, open_paths=OPEN_PATHS, bearer_paths=frozenset())
@@ -216,7 +244,7 @@ def serve(
 
 def _raised(name: str, method: str, error: Exception) -> EnvRaised:
     # A handled exception class: an unhandled one makes uvicorn close the keep-alive connection after the 500.
-    logging.getLogger(__name__).warning("env %s raised in %s", name, method, exc_info=error)
+    log.warning("env %s raised in %s", name, method, exc_info=error)
     return EnvRaised(f"{type(error).__name__}: {error}")
 
 

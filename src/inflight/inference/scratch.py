@@ -1,6 +1,7 @@
 """The vLLM engine's scratch directory (weight and adapter files for vLLM to read), removed however the
 process that made it ends: `VllmEngine` runs in `serve-engine`'s process, which a restart SIGKILLs and whose
-uvicorn re-raises SIGTERM after its shutdown, skipping Python's exit cleanup."""
+uvicorn re-raises SIGTERM after its shutdown, skipping Python's exit cleanup. Any other directory that must
+not outlive its process takes a prefix of its own (the tests' private Rays: `inflight-ray`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-# A ScratchDirectory's name carries the pid of the process that made it (serve-engine's, where vLLM runs).
-_SCRATCH_NAME = re.compile(r"inflight-vllm-(\d+)-[a-z0-9_]+")
+# A ScratchDirectory's name, PREFIX-PID-RANDOM, carries the pid of the process that made it (serve-engine's,
+# where vLLM runs, for the default prefix).
+VLLM_PREFIX = "inflight-vllm"
 _REMOVE_AT_EOF = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
 
 
@@ -24,11 +26,11 @@ class ScratchDirectory:
     that skips Python's exit cleanup (uvicorn re-raises SIGTERM after its shutdown; a restart SIGKILLs).
     Were the watcher killed too, the next one made in `parent` sweeps it: the name carries this pid."""
 
-    def __init__(self, parent: str | None = None) -> None:
+    def __init__(self, parent: str | None = None, prefix: str = VLLM_PREFIX) -> None:
         shm = Path("/dev/shm")
         where = Path(parent) if parent else shm if shm.is_dir() else Path(tempfile.gettempdir())
-        sweep_scratch_directories(where)
-        self.path = Path(tempfile.mkdtemp(prefix=f"inflight-vllm-{os.getpid()}-", dir=where))
+        sweep_scratch_directories(where, prefix)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=where))
         self._watcher = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _REMOVE_AT_EOF, str(self.path)],
             stdin=subprocess.PIPE,
@@ -44,12 +46,14 @@ class ScratchDirectory:
         self._watcher.wait()
 
 
-def sweep_scratch_directories(where: Path) -> list[Path]:
-    """Remove the scratch directories in `where` whose process is gone; return them. Names without a pid
-    (made before names carried one) are left alone: nothing tells whether their process still runs."""
+def sweep_scratch_directories(where: Path, prefix: str = VLLM_PREFIX) -> list[Path]:
+    """Remove the scratch directories named with `prefix` in `where` whose process is gone; return them.
+    Names without a pid (made before names carried one) are left alone: nothing tells whether their process
+    still runs."""
+    name = re.compile(rf"{re.escape(prefix)}-(\d+)-[a-z0-9_]+")
     removed = []
-    for path in where.glob("inflight-vllm-*"):
-        match = _SCRATCH_NAME.fullmatch(path.name)
+    for path in where.glob(f"{prefix}-*"):
+        match = name.fullmatch(path.name)
         if match and not _process_exists(int(match[1])):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
