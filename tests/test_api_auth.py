@@ -7,6 +7,7 @@ Reference: the hardening issue, "Authentication that cannot be switched off by a
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -88,6 +89,35 @@ def test_serve_refuses_in_one_line_before_loading_a_model(
             "--state-dir",
             str(tmp_path / "state"),
         ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("env_key", "args", "message"),
+    [
+        ("tml-secret", ["--host", "0.0.0.0"], "does not exist"),  # a key: the public bind is allowed
+        ("secret", [], "does not start with 'tml-'"),
+        (" ", [], "INFLIGHT_SERVE_API_KEY is set but blank"),
+        ("secret", ["--api-key", KEY], "does not exist"),  # the flag wins over the variable
+    ],
+)
+def test_serve_reads_its_key_from_the_environment(
+    env_key: str, args: list[str], message: str, tmp_path: Path
+) -> None:
+    """Without --api-key, `inflight serve` takes $INFLIGHT_SERVE_API_KEY: a secret out of `ps` and shell
+    history, checked as a flag's is. The model directory does not exist, so each run ends at the first
+    refusal: the key's, or else the model's (the key passed)."""
+    model, state = f"tiny={tmp_path / 'nope'}", str(tmp_path / "state")
+    argv = [sys.executable, "-m", "inflight.cli", "serve", "--base-model", model, *args, "--state-dir", state]
+    proc = subprocess.run(
+        argv,
+        env=os.environ | {"INFLIGHT_SERVE_API_KEY": env_key},
         capture_output=True,
         text=True,
         timeout=120,

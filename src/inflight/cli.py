@@ -132,12 +132,12 @@ def _parse_base_models(items: list[str]) -> dict[str, str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from inflight.api.auth import check_listening
+    from inflight.api.auth import SERVE_API_KEY_ENV, TINKER_KEY_PREFIX, check_listening, keys_from
     from inflight.models.paths import resolve
     from inflight.preflight import check_port
 
     # Before the service's imports (torch, via the tinker SDK: seconds): these refusals are instant.
-    check_listening(args.host, args.api_key)
+    api_keys = check_listening(args.host, keys_from(args.api_key, SERVE_API_KEY_ENV, TINKER_KEY_PREFIX))
     check_port(args.port)
     if args.ray_address is not None:
         if args.launcher != "ray":
@@ -158,7 +158,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         db_url=args.db,
         host=args.host,
         port=args.port,
-        api_keys=list(args.api_key),
+        api_keys=api_keys,
         state_dir=args.state_dir,
         dtype=args.dtype,
         device=args.device,
@@ -328,8 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="accepted X-API-Key (repeatable), starting with tml- as every tinker SDK requires of its "
         "api_key, e.g. tml-$(openssl rand -hex 32); empty or blank keys are refused; each key is a tenant "
-        "that sees only its own runs, checkpoints and futures (docs/security.md); without one the server "
-        "only listens on loopback",
+        "that sees only its own runs, checkpoints and futures (docs/security.md); without one, the key in "
+        "$INFLIGHT_SERVE_API_KEY (out of `ps` and shell history), else none, and then the server only "
+        "listens on loopback",
     )
     serve.add_argument(
         "--dtype",

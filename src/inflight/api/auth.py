@@ -31,6 +31,8 @@ SHARED_TENANT = ""
 # prefix"): a service key without it would lock every SDK client out. Only `inflight serve`'s keys: the
 # engine and env servers' clients are inflight's own.
 TINKER_KEY_PREFIX = "tml-"
+# `inflight serve`'s key when no --api-key is given: an environment variable, out of `ps` and shell history.
+SERVE_API_KEY_ENV = "INFLIGHT_SERVE_API_KEY"
 
 
 def tenant_of(api_key: str | bytes) -> str:
@@ -99,17 +101,17 @@ ApiKeys = Annotated[list[str], AfterValidator(_validated_keys)]
 TinkerApiKeys = Annotated[list[str], AfterValidator(_validated_tinker_keys)]
 
 
-def keys_from(flags: Sequence[str], env_var: str) -> list[str]:
+def keys_from(flags: Sequence[str], env_var: str, prefix: str = "") -> list[str]:
     """A server's keys: its --api-key flags, else the one in the environment variable `env_var` (where the
     clients of inflight's own servers read theirs: not in a config, which a run saves as config.json, nor on
     a command line, which every local user can read), else none. A blank one is refused: it would read as
-    "no key"."""
+    "no key". `prefix`: what the suggested secret starts with (`inflight serve`'s TINKER_KEY_PREFIX)."""
     if flags:
-        return check_api_keys(flags)
+        return check_api_keys(flags, prefix)
     key = os.environ.get(env_var)
     if key is not None and not key.strip():
         raise UserError(
-            f"{env_var} is set but blank: set a real secret (`openssl rand -hex 32`), or unset it"
+            f"{env_var} is set but blank: set a real secret (`{prefix}$(openssl rand -hex 32)`), or unset it"
         )
     return [] if key is None else [key]
 
@@ -123,8 +125,8 @@ def check_listening(host: str, api_keys: Sequence[str]) -> list[str]:
     if not api_keys and not is_loopback(host):
         raise UserError(
             f"refusing to serve on {host!r} without an API key: anyone who can reach it could train and "
-            f"sample. Pass --api-key {TINKER_KEY_PREFIX}SECRET (clients send it as X-API-Key / "
-            "TINKER_API_KEY), or bind 127.0.0.1"
+            f"sample. Pass --api-key {TINKER_KEY_PREFIX}SECRET or set ${SERVE_API_KEY_ENV} (clients send "
+            "it as X-API-Key / TINKER_API_KEY), or bind 127.0.0.1"
         )
     return api_keys
 

@@ -46,6 +46,7 @@ from inflight.buffer.streams import (
     check_read_args,
     query_options,
 )
+from inflight.durable import fsync_path
 from inflight.errors import UserError
 
 LEGACY_LOG_NAME = "records.log"  # the single log file of earlier versions
@@ -195,7 +196,7 @@ class FileStream(Stream):
         path = self.directory / segment_name(first)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         if self.config.fsync != "never":
-            _fsync_dir(self.directory)  # the new name too: after a power loss the offsets must go on
+            fsync_path(self.directory)  # the new name too: after a power loss the offsets must go on
         return _Segment(first, path, fd)
 
     @contextmanager
@@ -361,7 +362,7 @@ class FileStream(Stream):
                 os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a reader sees the old offset or the new one, never a mix
         if self.config.fsync != "never":
-            _fsync_dir(path.parent)
+            fsync_path(path.parent)
 
     def committed(self, consumer: str) -> int:
         check_consumer(consumer)
@@ -419,12 +420,3 @@ def _pread_exact(segment: _Segment, pos: int, length: int) -> bytes:
         pos += len(chunk)
         length -= len(chunk)
     return b"".join(chunks)
-
-
-def _fsync_dir(path: Path) -> None:
-    # A new, renamed or replaced name is durable only once its directory is synced.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

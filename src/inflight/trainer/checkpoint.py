@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
+from inflight.durable import fsync_path
 from inflight.errors import UserError
 from inflight.models.lora import lora_layers
 from inflight.models.lora_adapter import split_peft_key
@@ -45,15 +46,6 @@ def _tmp(path: Path) -> Path:
 
 def _old(path: Path) -> Path:
     return path.with_name(path.name + ".old")
-
-
-def _fsync(path: Path) -> None:
-    # Directories too: a rename is durable only once its directory is synced.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_meta(path: Path) -> dict[str, Any] | None:
@@ -161,19 +153,19 @@ def save_checkpoint(
             written.remove(name)
     sizes = {name: (tmp / name).stat().st_size for name in written}
     for name in sizes:
-        _fsync(tmp / name)
+        fsync_path(tmp / name)
     # Last: until this file is whole, `find_checkpoint` ignores the directory.
     meta = {"version": trainer.version, **(extra or {}), _FILES_KEY: sizes}
     with open(tmp / META, "w") as f:
         f.write(json.dumps(meta, indent=2))
         f.flush()
         os.fsync(f.fileno())
-    _fsync(tmp)
+    fsync_path(tmp)
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(tmp, path)
-    _fsync(path.parent)
+    fsync_path(path.parent)
     shutil.rmtree(old, ignore_errors=True)
     return path
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from inflight.durable import fsync_path
 from inflight.types import WeightUpdate
 from inflight.weight_sync.base import (
     PublishStats,
@@ -44,14 +45,6 @@ class FilesystemSyncConfig(BaseModel):
     # Atomic rename alone already hides partial files from readers; fsync adds durability across a power
     # loss, which ephemeral sync files rarely need (trainer checkpoints are separate).
     fsync: bool = False
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _writable_copy(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -87,7 +80,7 @@ class FilesystemPublisher(WeightPublisher):
         # (until garbage collection, which readers handle).
         self._place(pointer_tmp, self.root / LATEST)
         if self.config.fsync:
-            _fsync_path(self.root)
+            fsync_path(self.root)
         self._collect_garbage(version)
         self._last_version = version
         self.last_stats = PublishStats(version, state_nbytes(tensors), len(tensors), time.perf_counter() - t0)
@@ -95,7 +88,7 @@ class FilesystemPublisher(WeightPublisher):
 
     def _place(self, tmp: Path, final: Path) -> None:
         if self.config.fsync:
-            _fsync_path(tmp)
+            fsync_path(tmp)
         os.replace(tmp, final)
 
     def _collect_garbage(self, newest: int) -> None:
