@@ -76,26 +76,24 @@ def test_a_blank_key_is_refused_everywhere(keys: list[str], tmp_path: Path) -> N
 def test_serve_refuses_in_one_line_before_loading_a_model(
     args: list[str], message: str, tmp_path: Path
 ) -> None:
-    # The model directory does not exist: the refusal must come before anything reads it.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "inflight.cli",
-            "serve",
-            "--base-model",
-            f"tiny={tmp_path / 'nope'}",
-            *args,
-            "--state-dir",
-            str(tmp_path / "state"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    line = _serve_refusal(args, tmp_path)
+    assert message in line, line
+
+
+def _serve_refusal(args: list[str], tmp_path: Path, env_key: str | None = None) -> str:
+    """The one line `inflight serve ARGS` refuses with (exit 2, no traceback), `env_key` in
+    $INFLIGHT_SERVE_API_KEY (else unset). The model directory does not exist: a refusal of the keys or the
+    host must come before anything reads it, and a run whose keys pass ends there."""
+    env = {k: v for k, v in os.environ.items() if k != "INFLIGHT_SERVE_API_KEY"}
+    if env_key is not None:
+        env["INFLIGHT_SERVE_API_KEY"] = env_key
+    model, state = f"tiny={tmp_path / 'nope'}", str(tmp_path / "state")
+    argv = [sys.executable, "-m", "inflight.cli", "serve", "--base-model", model, *args, "--state-dir", state]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -111,20 +109,10 @@ def test_serve_reads_its_key_from_the_environment(
     env_key: str, args: list[str], message: str, tmp_path: Path
 ) -> None:
     """Without --api-key, `inflight serve` takes $INFLIGHT_SERVE_API_KEY: a secret out of `ps` and shell
-    history, checked as a flag's is. The model directory does not exist, so each run ends at the first
-    refusal: the key's, or else the model's (the key passed)."""
-    model, state = f"tiny={tmp_path / 'nope'}", str(tmp_path / "state")
-    argv = [sys.executable, "-m", "inflight.cli", "serve", "--base-model", model, *args, "--state-dir", state]
-    proc = subprocess.run(
-        argv,
-        env=os.environ | {"INFLIGHT_SERVE_API_KEY": env_key},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    history, checked as a flag's is. Each run ends at the first refusal: the key's, or else the missing
+    model's (the key passed)."""
+    line = _serve_refusal(args, tmp_path, env_key)
+    assert message in line, line
 
 
 def test_a_key_without_the_sdks_prefix_is_refused_by_the_service_only(tmp_path: Path) -> None:
