@@ -691,8 +691,9 @@ def test_a_restarted_replica_gets_the_last_weights_even_at_its_own_version(
     tiny_model_dir, tokenizer, new_weights
 ) -> None:
     """Weights published as version 0 (a pipeline's warmed-up model, or LoRA's frozen base, before any
-    step) and a replica restarted from the model on disk, also at version 0 (as `launch/ray.py`'s replicas
-    are restarted by Ray): on recovery it gets the published weights, and serves what the other serves."""
+    step) and a replica restarted from the model on disk, also at version 0 (as `launch/ray/replicas.py`'s
+    replicas are restarted by Ray): on recovery it gets the published weights, and serves what the other
+    serves."""
     _, path = new_weights
     servers = [
         InProcessServer(lambda: create_app(make_engine(tiny_model_dir), tokenizer)).start() for _ in range(2)

@@ -59,7 +59,7 @@ def tiny_run(model_dir: Path, steps: int, warmup_steps: int = 20) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def own_engine_key() -> Iterator[None]:
-    """The replicas' key a launcher makes for its process ($INFLIGHT_ENGINE_API_KEY, `_engine_key_env`)
+    """The replicas' key a launcher makes for its process ($INFLIGHT_ENGINE_API_KEY, `engine_key_env`)
     stays this test's: later tests' serve-engine subprocesses, which inherit the environment, would
     otherwise want it from clients that never had it. (monkeypatch.delenv records nothing to undo for a
     variable that is not set yet.)"""

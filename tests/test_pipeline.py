@@ -245,8 +245,8 @@ def test_pipeline_with_an_engine_replica_over_http(
 
 
 class TwiceWritingPlayer:
-    """A `GroupPlayer` as `launch/ray.py`'s rollout workers are one, in this process: each group played
-    against the replica with a client that follows the run's (`follows_others`), written to the shared
+    """A `GroupPlayer` as `launch/ray/rollout_workers.py`'s workers are one, in this process: each group
+    played against the replica with a client that follows the run's (`follows_others`), written to the shared
     result stream by the player itself (as a worker writes to Redis), and problem 2's group written twice,
     as a worker that died after writing it leaves it when its group is played again."""
 

@@ -171,7 +171,7 @@ class PipelineConfig(_Config):
 
 
 class RayConfig(_Config):
-    """`launcher=ray` (`launch/ray.py`): which cluster, and what its placement group reserves."""
+    """`launcher=ray` (`launch/ray/`): which cluster, and what its placement group reserves."""
 
     # None = start a private local Ray with this machine's CPUs for the run; "auto" = the cluster this machine
     # joined (`ray start`); "HOST:PORT" = a cluster's head (its GCS port, 6379 by default).
@@ -234,7 +234,7 @@ class RunConfig(_Config):
     # async: the pipeline (orchestrator/pipeline.py); sync: the on-policy reference loop (sync_loop.py).
     mode: Literal["sync", "async"] = "async"
     # local: this process (engine and trainer threads); ray: engine replicas and the trainer placed on a Ray
-    # cluster by `launch/ray.py`, configured by `ray.*` (needs `pip install 'inflight[ray]'`).
+    # cluster by `launch/ray/`, configured by `ray.*` (needs `pip install 'inflight[ray]'`).
     launcher: Literal["local", "ray"] = "local"
     run_dir: str | None = None  # None = runs/<recipe>-<timestamp>
     seed: Seed = 0

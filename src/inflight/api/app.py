@@ -198,7 +198,7 @@ def _start(
 
 def _remote_sampler(config: ServiceConfig, compute: Compute, engines: contextlib.ExitStack) -> Sampler:
     """Per base model a sampling engine outside this process, and the sampler over them: with
-    --launcher ray an actor on the cluster (`launch/ray.py`'s engines_on_ray), else a `serve-engine
+    --launcher ray an actor on the cluster (`launch/ray/replicas.py`'s engines_on_ray), else a `serve-engine
     --backend vllm` process beside the service; each on `engines` as it starts (closing that stops them).
     vLLM reports the raw logprobs Tinker's wire carries, and each base model's adapters are limited to the
     modules vLLM can adapt."""
@@ -409,8 +409,8 @@ def load_compute(config: ServiceConfig) -> ServiceCompute:
 
 
 def _compute_on_ray(config: ServiceConfig, placed: contextlib.ExitStack) -> Compute:
-    """--launcher ray: the base models loaded in an actor on the cluster (`launch/ray.py`'s compute_on_ray,
-    released with `placed`)."""
+    """--launcher ray: the base models loaded in an actor on the cluster (`launch/ray/compute.py`'s
+    compute_on_ray, released with `placed`)."""
     from inflight.launch.ray import compute_on_ray
 
     on_ray = compute_on_ray(config.base_models, config.max_lora_rank, _compute_config(config), config.ray)

@@ -78,7 +78,7 @@ class ServiceComputeConfig(BaseModel):
 
 class Compute(Protocol):
     """The compute as the worker and the app drive it: `ServiceCompute` in the serving process, or
-    `launch/ray.py`'s `RayCompute` forwarding each call to one in an actor (`inflight serve --launcher
+    `launch/ray/compute.py`'s `RayCompute` forwarding each call to one in an actor (`inflight serve --launcher
     ray`). Paths name the service's state directory, which both must see. The in-process sampling engines
     (`ServiceCompute.sampling_engines`) are not part of it: only a compute in the serving process has them."""
 

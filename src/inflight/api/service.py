@@ -55,7 +55,7 @@ class ServiceConfig(BaseModel):
     engine: Literal["builtin", "vllm"] = "builtin"
     # local: the sampling engines and the training in this process (or, with vLLM, processes beside it);
     # ray: the engines (built-in, or vLLM processes) in actors on a Ray cluster, reached over HTTP, and the
-    # training in an actor of its own (`launch/ray.py`'s engines_on_ray and compute_on_ray, placed as `ray`
+    # training in an actor of its own (`launch/ray/`'s engines_on_ray and compute_on_ray, placed as `ray`
     # says). The API and the futures database stay in this process either way.
     launcher: Literal["local", "ray"] = "local"
     ray: RayConfig = Field(default_factory=RayConfig)

@@ -59,7 +59,7 @@ def run_local(cfg: RunConfig, task: Task, stop: StopRequest | None = None) -> di
             on_engine.pipeline.engine_urls = [engine.url]
             yield on_engine
 
-    def restarts() -> dict[str, float]:  # the keys launch/ray.py's ReplicaWatch logs
+    def restarts() -> dict[str, float]:  # the keys launch/ray/replicas.py's ReplicaWatch logs
         up = float(engine.alive())
         return {"engine_replica_restarts": float(engine.restarts), "engine_replicas_up": up}
 

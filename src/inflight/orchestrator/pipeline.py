@@ -4,7 +4,7 @@ Dataflow (the engine owns a thread, rollouts share an asyncio loop, the trainer 
 default steps in a process of its own, `trainer/process.py`, training the shared weights in place):
 
     problems ──► admission ──► rollout workers (asyncio tasks, up to max_groups_in_flight groups; or
-                 buffer.admit()    │  a GroupPlayer's workers elsewhere: launch/ray.py's rollout actors)
+                 buffer.admit()    │  a GroupPlayer's workers elsewhere: launch/ray/rollout_workers.py)
                                    │  play_group: task.generate_rollout(ctx, problem) x group_size (guard.py)
                                    │        │ tokens  ▲
                                    │        ▼         │
@@ -340,7 +340,7 @@ class _Pipeline:
                     engine_idle_frac=loop.idle_s / max(loop.idle_s + loop.busy_s, 1e-9),
                 )
                 metrics.update(loop.metrics())  # pause per update, transfer s, stale-KV tokens (or replicas')
-                if self.launcher_metrics is not None:  # e.g. engine replicas restarted (launch/ray.py)
+                if self.launcher_metrics is not None:  # e.g. engine replicas restarted (launch/ray/)
                     metrics.update(self.launcher_metrics())
                 if self.players is not None:  # e.g. groups lost with a rollout worker, played again
                     metrics.update(self.players.metrics())

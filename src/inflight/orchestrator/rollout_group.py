@@ -1,7 +1,8 @@
 """One GRPO group: a problem played `grpo.group_size` times, wherever it is played.
 
 `play_group` is the unit of work of both loops, and of a rollout worker in a process of its own
-(`launch/ray.py`'s `RolloutWorker`, `ray.num_rollout_workers`): it takes everything it needs as arguments.
+(`launch/ray/rollout_workers.py`'s `RolloutWorker`, `ray.num_rollout_workers`): it takes everything it needs
+as arguments.
 A pipeline whose groups are played elsewhere reaches the players through the `GroupPlayer` protocol, which
 hands back a `PlayedGroup`. The result stream's record (a group and the problem it answers) is here too,
 so that a worker can append it to a stream the pipeline reads. Knows nothing of engines, buffers or steps.
@@ -88,8 +89,8 @@ class PlayedGroup:
 
 
 class GroupPlayer(Protocol):
-    """Plays a pipeline's groups somewhere other than its own event loop (`launch/ray.py`'s rollout
-    workers). A group lost with its player is played again (the call returns once one play succeeded, or
+    """Plays a pipeline's groups somewhere other than its own event loop (`launch/ray/rollout_workers.py`'s
+    actors). A group lost with its player is played again (the call returns once one play succeeded, or
     raises when none can)."""
 
     async def play(self, problem_index: int, problem: Problem) -> PlayedGroup: ...

@@ -91,7 +91,7 @@ def run(
 ) -> dict[str, Any]:
     """Train `task` as `cfg` says; returns the summary (also in RUN_DIR/summary.json).
 
-    This is the whole run in this process; `launch/ray.py` calls it inside the trainer's actor, with
+    This is the whole run in this process; `launch/ray/run.py` calls it inside the trainer's actor, with
     `pipeline.engine_urls` naming the replicas it placed, `launcher_metrics` counting their restarts
     (logged with every pipeline step) and `make_trainer` building the trainer over the warmed-up model
     (there: data-parallel ranks in actors of their own; by default `build_loop_trainer`) and `players`

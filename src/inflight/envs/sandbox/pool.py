@@ -35,7 +35,8 @@ KILL_GRACE_S = 10.0  # beyond a job's wall limit: killing the process tree and c
 
 class Verifier(Protocol):
     """What environments need of whoever runs their sandboxed code: `VerifierPool` in this process, or
-    `launch/ray.py`'s `RayVerifiers` over pools in actors of their own (`ray.num_verifier_actors`)."""
+    `launch/ray/verifiers.py`'s `RayVerifiers` over pools in actors of their own
+    (`ray.num_verifier_actors`)."""
 
     async def run(
         self, code: str, *, stdin: str = "", limits: SandboxLimits | None = None
