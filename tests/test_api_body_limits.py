@@ -7,6 +7,7 @@ health checks and long-polls are answered meanwhile.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -185,3 +186,56 @@ def test_health_checks_are_answered_while_a_large_forward_backward_body_is_parse
     assert outcome["seconds"] > 0.5, outcome
     assert len(latencies) >= 5, (latencies, outcome)
     assert max(latencies) < outcome["seconds"] / 2, (max(latencies), outcome)
+
+
+@pytest.mark.parametrize("route", ["create_session", "forward_backward"])
+def test_a_body_that_trickles_in_is_cut_off_at_the_deadline(
+    tiny_model_dir: Path, tmp_path: Path, route: str
+) -> None:
+    """A client that sends its headers and then its body a byte at a time used to hold its connection
+    open for as long as it liked (uvicorn waits for a body forever). Now it gets a 408 naming the deadline
+    and the connection is closed, while everyone else is served meanwhile."""
+    config = ServiceConfig(
+        base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path, request_body_timeout_s=1.0
+    )
+    with sdk_server(config) as server, socket.create_connection(("127.0.0.1", server.port)) as slow:
+        head = f"POST /api/v1/{route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        slow.sendall(f"{head}Content-Length: 100\r\n\r\n{{".encode())
+        slow.settimeout(0.2)
+        started = time.monotonic()
+        answer = b""
+        while time.monotonic() - started < 10:
+            try:
+                chunk = slow.recv(4096)
+            except TimeoutError:  # nothing yet: trickle on, never idle and never whole
+                slow.sendall(b" ")
+                assert httpx.get(f"{server.url}/api/v1/healthz").status_code == 200
+                continue
+            if not chunk:  # the server closed the connection
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"did not arrive within 1 s" in answer
+        assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b'{"tags": ["caf\xe9"]}', "byte 0xe9 at offset 14 is not UTF-8"),
+        (b'{"tags": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests arrays or objects too deeply"),
+        (b'{"tags": ' + b"9" * 5000 + b"}", "a number of more than 4300 digits"),
+    ],
+    ids=["latin-1", "deep", "long-number"],
+)
+def test_a_body_json_cannot_read_is_a_422_saying_why_on_every_route(
+    http: httpx.Client, body: bytes, said: str
+) -> None:
+    """The routes whose JSON FastAPI parses used to answer a bare 400 "There was an error parsing the body"
+    to a body json.loads refuses for more than its syntax; the data routes, which parse their own, said why.
+    Now every route says why."""
+    for route in ("create_session", "optim_step", "weights_info", "retrieve_future", "asample"):
+        response = http.post(route, content=body, headers={"Content-Type": "application/json"})
+        assert response.status_code == 422, (route, response.text)
+        if route != "asample":  # its own parser words it its own way
+            assert said in response.json()["detail"][0]["msg"], (route, response.text)

@@ -345,3 +345,26 @@ def test_loading_weights_only_starts_a_fresh_adamw_and_with_the_optimizer_contin
             torch.testing.assert_close(logprobs(client), continued, atol=1e-5, rtol=0, msg=how)
         else:  # float32 peft vs the service: rounding of a step that moves logprobs by ~3
             torch.testing.assert_close(logprobs(client), fresh_adam, atol=5e-4, rtol=0, msg=how)
+
+
+def test_a_sampler_checkpoint_saved_again_under_its_name_samples_its_new_weights(
+    service: tinker.ServiceClient, rest: tinker.RestClient
+) -> None:
+    """The engine keeps a sampled checkpoint's weights under its path. Deleted and saved again under the
+    same name (new weights), the path used to go on sampling the old ones."""
+    training = service.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    prompt = types.ModelInput.from_ints(TOKENS[:6])
+    params = types.SamplingParams(max_tokens=4, seed=3, temperature=1.0)
+
+    def sampled(path: str) -> tuple[list[int], list[float] | None]:
+        sampler = service.create_sampling_client(model_path=path).result()
+        sequence = sampler.sample(prompt, 1, params).result().sequences[0]
+        return list(sequence.tokens), sequence.logprobs
+
+    path = training.save_weights_for_sampler("saved-twice").result().path
+    before = sampled(path)
+    train(training, 3)
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert training.save_weights_for_sampler("saved-twice").result().path == path
+    fresh = training.save_weights_for_sampler("saved-once").result().path
+    assert sampled(path) == sampled(fresh) != before

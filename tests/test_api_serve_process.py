@@ -104,6 +104,41 @@ def test_a_bad_grace_period_is_refused_by_the_parser(tmp_path: Path) -> None:
     assert "--shutdown-grace-s: expected a finite number of seconds >= 0, got '-1'" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--max-models-per-key", "0", "expected a number >= 1, got 0"),
+        ("--max-models-per-key", "many", "expected a whole number, got 'many'"),
+        ("--request-body-timeout-s", "0", "expected a number of seconds > 0, got 0"),
+        ("--request-body-timeout-s", "inf", "expected a finite number of seconds >= 0, got 'inf'"),
+    ],
+)
+def test_the_per_key_limits_are_checked_by_the_parser(
+    tmp_path: Path, flag: str, value: str, said: str
+) -> None:
+    command = serve_command(tmp_path / "no-model", tmp_path / "state", flag, value)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{flag}: {said}" in proc.stderr
+
+
+def test_the_per_key_limits_reach_the_service(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two limits a QA pass added to ServiceConfig (models per API key, the body's deadline) are the
+    operator's to set: without flags they were fixed at their defaults for every `inflight serve`."""
+    import inflight.api.app
+    from inflight.cli import main
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(inflight.api.app, "serve", lambda **kwargs: seen.update(kwargs))
+    argv = serve_command(tiny_model_dir, tmp_path / "state", "--port", str(free_port()))[3:]
+    assert main([*argv, "--max-models-per-key", "3", "--request-body-timeout-s", "7.5"]) == 0
+    assert (seen["max_models_per_key"], seen["request_body_timeout_s"]) == (3, 7.5)
+    assert main(argv) == 0
+    assert (seen["max_models_per_key"], seen["request_body_timeout_s"]) == (64, 120.0)
+
+
 def test_help_names_the_operations() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "inflight.cli", "serve", "--help"], capture_output=True, text=True, timeout=120

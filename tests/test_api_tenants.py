@@ -9,7 +9,8 @@ exactly as an id that names nothing (same status, same words but the id), while 
 published checkpoint is the one exception, read-only (sample, load, weights_info, archive), as in Tinker:
 publishing exists to share; unpublished, it is gone again for B, even through a sampling client or a
 download link B got before. A server without keys keeps one shared namespace, and rows written before
-tenants existed belong to it.
+tenants existed belong to it. Nor can one key starve the other: its backlog of samples, its models and the
+checkpoints it samples are bounded, each limit answered naming it.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ import tinker
 from sqlalchemy import inspect
 
 from conftest import sample_body
-from inflight.api.app import BackgroundServer, create_app
+from inflight.api.app import BackgroundServer, create_app, load_compute
 from inflight.api.auth import tenant_of
+from inflight.api.compute import ServiceCompute, ServiceComputeConfig
 from inflight.api.db import Database, ModelRow, sqlite_url
 from inflight.api.service import ServiceConfig, ServiceState
+from inflight.api.worker import WorkerConfig
 
 pytestmark = pytest.mark.slow
 types = tinker.types
@@ -394,6 +397,199 @@ def test_a_published_checkpoint_is_read_only_for_others_and_gone_again_once_unpu
         url = a.get(checkpoint_route(sampler_path, "archive")).json()["url"]
         with urllib.request.urlopen(url, timeout=60) as download:
             assert download.status == 200
+
+
+@pytest.mark.parametrize(
+    ("sample_rows", "worker"),
+    [
+        # The database's queue: one sample future with the engine at a time, so the rest wait pending.
+        (256, WorkerConfig(max_sample_futures_in_flight=1)),
+        # The engine's queue: room for every future, two rows, and a share of two sequences per tenant.
+        (2, WorkerConfig(max_samples_in_flight_per_tenant=2)),
+    ],
+    ids=["pending", "engine"],
+)
+def test_one_tenants_backlog_of_samples_queues_no_other_tenants_sample_behind_it(
+    tiny_model_dir: Path, tmp_path: Path, sample_rows: int, worker: WorkerConfig
+) -> None:
+    """B queues ten long samples, then A one short one: A's is served within B's first few, not after all
+    of them. (Claimed oldest first, A's sample waited for every one of B's, which the earlier probe
+    measured as over five minutes behind 200 samples; a tenant's backlog could also fill the engine's
+    first-come queue.)"""
+    config = service_config(tmp_path, tiny_model_dir, [KEY_A, KEY_B])
+    compute = ServiceCompute(
+        config.base_models,
+        max_rank=config.max_lora_rank,
+        config=ServiceComputeConfig(max_sample_rows=sample_rows),
+    )
+    with (
+        BackgroundServer(create_app(config, compute=compute, worker_config=worker)) as server,
+        http(server, KEY_A) as a,
+        http(server, KEY_B) as b,
+    ):
+
+        def sampler(client: httpx.Client) -> str:
+            session = client.post("/create_session", json={}).json()["session_id"]
+            body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": BASE}
+            return client.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+
+        b_sampler, a_sampler = sampler(b), sampler(a)
+        backlog = [
+            b.post("/asample", json=sample_body(b_sampler, seq, 100)).json()["request_id"]
+            for seq in range(10)
+        ]
+        mine = a.post("/asample", json=sample_body(a_sampler, 0, 1)).json()["request_id"]
+        assert "json" not in result(a, mine).headers["content-type"]
+        store = state_of(server).store
+        unfinished = [r for r in backlog if not store.get(r).finished]
+        assert len(unfinished) >= 6, f"A's sample waited for {10 - len(unfinished)} of B's 10"
+        for request_id in unfinished:
+            b.post("/cancel_future", json={"request_id": request_id})
+
+
+def test_one_key_cannot_fill_the_servers_memory_with_models(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Each model holds its adapter and optimizer state in memory until its session finishes: 200 rank-64
+    models of one key took the server from 0.96 to 2.3 GB in 2.5 s, a rate that runs any machine out of
+    memory under every tenant. Past `max_models_per_tenant` a key's create_model is a 400 naming the limit
+    and the way out, the other key is unaffected, and a finished session's models make room again."""
+    config = service_config(tmp_path, tiny_model_dir, [KEY_A, KEY_B]).model_copy(
+        update={"max_models_per_tenant": 2}
+    )
+    worker = WorkerConfig(housekeeping_interval_s=0.1)
+    with (
+        BackgroundServer(create_app(config, worker_config=worker)) as server,
+        http(server, KEY_A) as a,
+        http(server, KEY_B) as b,
+    ):
+
+        def create(client: httpx.Client, session_id: str, model_seq_id: int) -> httpx.Response:
+            body = {"session_id": session_id, "model_seq_id": model_seq_id, "base_model": BASE}
+            return client.post("/create_model", json={**body, "lora_config": {"rank": 64}})
+
+        b_session = b.post("/create_session", json={}).json()["session_id"]
+        for model_seq_id in range(2):
+            created = create(b, b_session, model_seq_id)
+            assert "error" not in result(b, created.json()["request_id"]).json()
+        refused = create(b, b_session, 2)
+        assert refused.status_code == 400, refused.text
+        assert "max_models_per_tenant=2" in refused.text and "finish" in refused.text
+        assert create(b, b_session, 1).status_code == 200  # a retry of a model it has is no new model
+        a_session = a.post("/create_session", json={}).json()["session_id"]
+        assert "error" not in result(a, create(a, a_session, 0).json()["request_id"]).json()
+
+        b.post(f"/sessions/{b_session}/finish", json={"reason": {"type": "success"}})
+        b_next = b.post("/create_session", json={}).json()["session_id"]
+        deadline = time.monotonic() + 30
+        while (again := create(b, b_next, 0)).status_code == 400 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "error" not in result(b, again.json()["request_id"]).json()
+
+
+def test_a_finished_sessions_models_are_refused_as_the_clients_own_doing(server: BackgroundServer) -> None:
+    """A finished session's models are unloaded (their memory is freed). A create_model in a finished
+    session used to be accepted, build its adapter and then lose it, and every request on an unloaded
+    model failed as the server's fault; now the create is a 400 and the requests fail as user errors, each
+    naming the way on (a new session)."""
+    with http(server, KEY_B) as b:
+        session_id = b.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}}
+        created = b.post("/create_model", json=body).json()
+        model_id = created["model_id"]
+        assert "error" not in result(b, created["request_id"]).json()
+        b.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+
+        late = {**body, "model_seq_id": 1}
+        for route, request in [
+            ("/create_model", late),
+            ("/load_weights", {**late, "path": f"tinker://{FAKE_MODEL}/weights/x"}),
+        ]:
+            refused = b.post(route, json=request)
+            assert refused.status_code == 400, (route, refused.text)
+            assert "is finished" in refused.text and "new session" in refused.text
+
+        def unloaded() -> bool:
+            with state_of(server).db.read() as rows:
+                row = rows.get(ModelRow, model_id)
+                return row is not None and row.status == "unloaded"
+
+        deadline = time.monotonic() + 30
+        while not unloaded():
+            assert time.monotonic() < deadline, "the finished session's model was never unloaded"
+            time.sleep(0.1)
+        step = {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-2}}
+        failed = result(b, b.post("/optim_step", json=step).json()["request_id"]).json()
+        assert failed["category"] == "user" and "new session" in failed["error"], failed
+
+
+def test_a_deleted_or_expired_checkpoint_samples_no_more_even_once_loaded(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The engine keeps a sampler checkpoint's weights once sampled. They used to be sampled after the
+    owner deleted the checkpoint (by another tenant, for whom it had been published, too) or after it
+    expired; now each sample checks the checkpoint again: 404 once deleted, a user error naming the
+    expiry once expired, for every tenant."""
+    with running(service_config(tmp_path, tiny_model_dir, [KEY_A, KEY_B])) as server:
+        a_service = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        b_service = tinker.ServiceClient(base_url=server.url, api_key=KEY_B)
+        a_rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)
+        try:
+            training = a_service.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+            deleted = training.save_weights_for_sampler("deleted").result().path
+            a_rest.publish_checkpoint_from_tinker_path(deleted).result()
+            samplers = [
+                service.create_sampling_client(model_path=deleted).result()
+                for service in (a_service, b_service)
+            ]
+            for sampler in samplers:  # loaded into the engine
+                assert len(sampler.sample(PROMPT, 1, PARAMS).result().sequences) == 1
+            a_rest.delete_checkpoint_from_tinker_path(deleted).result()
+            for sampler in samplers:
+                with pytest.raises(tinker.NotFoundError, match="never saved, or was deleted"):
+                    sampler.sample(PROMPT, 1, PARAMS).result()
+
+            expiring = training.save_weights_for_sampler("expiring").result().path
+            sampler = a_service.create_sampling_client(model_path=expiring).result()
+            assert len(sampler.sample(PROMPT, 1, PARAMS).result().sequences) == 1
+            with http(server, KEY_A) as a:
+                ttl = a.put(checkpoint_route(expiring, "ttl"), json={"ttl_seconds": 1})
+                assert ttl.status_code == 200, ttl.text
+            time.sleep(1.5)
+            with pytest.raises(tinker.RequestFailedError, match="expired"):
+                sampler.sample(PROMPT, 1, PARAMS).result()
+        finally:
+            a_service.close("success").result()
+            b_service.close("success").result()
+
+
+def test_the_engine_keeps_a_bounded_number_of_sampled_checkpoints(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every sampler checkpoint ever sampled used to stay loaded in the engine (~2.7 MB each at rank 64 on
+    the tiny model: 100 saved-and-sampled took the server from 1108 to 1335 MB), so one tenant could run
+    the server out of memory. Now the least recently sampled leave past `max_checkpoint_adapters`, and
+    sampling one again reads it back."""
+    config = service_config(tmp_path, tiny_model_dir, [KEY_A])
+    compute = load_compute(config)
+    engine = compute.sampling_engines()[BASE][0]
+    worker = WorkerConfig(max_checkpoint_adapters=2)
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        BackgroundServer(create_app(config, compute=compute, worker_config=worker)) as server,
+    ):
+        mp.setenv("TINKER_TELEMETRY", "0")
+        service = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        try:
+            training = service.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+            paths = [training.save_weights_for_sampler(f"c{i}").result().path for i in range(4)]
+            samplers = [service.create_sampling_client(model_path=path).result() for path in paths]
+            first = samplers[0].sample(PROMPT, 1, PARAMS).result().sequences[0].tokens
+            for sampler in samplers[1:]:
+                sampler.sample(PROMPT, 1, PARAMS).result()
+            assert set(engine.adapters()) & set(paths) == set(paths[2:])
+            assert samplers[0].sample(PROMPT, 1, PARAMS).result().sequences[0].tokens == first
+            assert set(engine.adapters()) & set(paths) == {paths[0], paths[3]}
+        finally:
+            service.close("success").result()
 
 
 def test_without_keys_every_client_shares_one_namespace(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -166,8 +166,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine=args.engine,
         launcher=args.launcher,
         ray_address=args.ray_address,
+        max_models_per_key=args.max_models_per_key,
+        request_body_timeout_s=args.request_body_timeout_s,
     )
     return 0
+
+
+def _at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a number of seconds > 0, got 0")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -354,6 +375,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, new work is refused (503) and the requests already accepted get this long "
         "to finish; what is left then fails with an error naming the shutdown (default 20; a second signal "
         "ends the wait at once)",
+    )
+    serve.add_argument(
+        "--max-models-per-key",
+        type=_at_least_one,
+        default=64,
+        metavar="N",
+        help="models (LoRA adapters with their optimizer state, in memory until their session finishes) "
+        "one API key may have loaded at once; a create beyond it is refused, naming how to free one "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--request-body-timeout-s",
+        type=_positive_seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="a request's body must arrive whole this long after its headers, else 408 and the connection "
+        "closes: a client trickling bodies cannot hold connections open (default %(default)g; a 64 MiB "
+        "body then needs ~0.5 MB/s)",
     )
     serve.add_argument(
         "--engine",

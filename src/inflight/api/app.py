@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from inflight.api import (
     routes_archives,
@@ -121,6 +123,7 @@ def create_app(
         max_bytes=config.max_request_bytes,
         small_max_bytes=min(config.max_small_request_bytes, config.max_request_bytes),
         large_paths=_DATA_PATHS,
+        body_timeout_s=config.request_body_timeout_s,
     )
     app.add_middleware(RefuseNewWorkMiddleware, shutdown=shutdown)
     app.add_middleware(
@@ -128,6 +131,7 @@ def create_app(
     )
     app.add_middleware(AccessLogMiddleware, metrics=metrics)
     app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(UserError, _user_error)
     app.add_exception_handler(Exception, _unexpected_error)
     return app
@@ -296,6 +300,25 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=422)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's own HTTP errors, except its bare "There was an error parsing the body" (400) for a JSON
+    body that `json.loads` cannot read for other reasons than its syntax: said instead as the data routes,
+    which parse their own bodies, say it (422, naming what is wrong)."""
+    assert isinstance(exc, HTTPException)
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        reason = (
+            f"byte {cause.object[cause.start]:#04x} at offset {cause.start} is not UTF-8; send JSON as UTF-8"
+        )
+    elif isinstance(cause, RecursionError):
+        reason = "it nests arrays or objects too deeply to parse; no field takes such a value"
+    elif isinstance(cause, ValueError) and "digits" in str(cause):
+        reason = f"it holds a number of more than {sys.get_int_max_str_digits()} digits; no field takes one"
+    else:
+        return await http_exception_handler(request, exc)
+    return JSONResponse({"detail": [{"loc": ["body"], "msg": f"Invalid JSON: {reason}"}]}, status_code=422)
+
+
 async def _user_error(request: Request, exc: Exception) -> JSONResponse:
     status = next((code for kinds, code in _STATUS if isinstance(exc, kinds)), 400)
     return JSONResponse({"detail": str(exc)}, status_code=status)
@@ -319,6 +342,8 @@ def serve(
     engine: Literal["builtin", "vllm"] = "builtin",
     launcher: Literal["local", "ray"] = "local",
     ray_address: str | None = None,
+    max_models_per_key: int = 64,
+    request_body_timeout_s: float = 120.0,
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
@@ -340,6 +365,8 @@ def serve(
         engine=engine,
         launcher=launcher,
         ray=RayConfig(address=ray_address),
+        max_models_per_tenant=max_models_per_key,
+        request_body_timeout_s=request_body_timeout_s,
     )
     for path in base_models.values():  # a missing directory: a path check, answered before torch loads
         check_model_dir(path)

@@ -7,6 +7,7 @@ beyond the size check.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -197,7 +198,9 @@ def _set_tenant(scope: Scope, tenant: str) -> None:
 
 class BodySizeLimitMiddleware:
     """413 for a body over its path's limit, whether announced by Content-Length or streamed in chunks:
-    `max_bytes` on `large_paths`, `small_max_bytes` (by default the same) everywhere else."""
+    `max_bytes` on `large_paths`, `small_max_bytes` (by default the same) everywhere else. With
+    `body_timeout_s`, 408 for a body not whole that long after its headers: uvicorn itself waits for a body
+    forever, so a client trickling one would hold its connection (and its task) for good."""
 
     def __init__(
         self,
@@ -206,11 +209,13 @@ class BodySizeLimitMiddleware:
         *,
         small_max_bytes: int | None = None,
         large_paths: frozenset[str] = frozenset(),
+        body_timeout_s: float | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.small_max_bytes = max_bytes if small_max_bytes is None else small_max_bytes
         self.large_paths = large_paths
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -224,8 +229,16 @@ class BodySizeLimitMiddleware:
         # Read the whole body first (the routes would anyway), counting, then replay it.
         chunks: list[bytes] = []
         size = 0
+        deadline = (
+            None if self.body_timeout_s is None else asyncio.get_running_loop().time() + self.body_timeout_s
+        )
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                await self._too_slow(size, scope, receive, send)
+                return
             if message["type"] != "http.request":
                 return  # the client went away before sending its body: nobody to answer
             chunks.append(message.get("body", b""))
@@ -245,6 +258,18 @@ class BodySizeLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _too_slow(self, size: int, scope: Scope, receive: Receive, send: Send) -> None:
+        """The answer ends the connection (`Connection: close`), so the rest of the body is never read."""
+        response = JSONResponse(
+            {
+                "detail": f"the request body did not arrive within {self.body_timeout_s:g} s (only {size} "
+                "bytes of it did): send it whole, without pauses, or over a faster connection"
+            },
+            status_code=408,
+            headers={"Connection": "close"},
+        )
+        await response(scope, receive, send)
 
     async def _refuse(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
         response = JSONResponse(

@@ -264,6 +264,18 @@ class FutureStore:
         with self.db.write_connection() as connection:
             return _mark_running(connection, connection.scalars(_OLDEST_PENDING, params).all())
 
+    def pending_unordered_by_tenant(self, request_type: RequestType, per_tenant: int) -> dict[str, list[str]]:
+        """Each tenant's oldest `per_tenant` pending futures of an unordered type (samples), oldest first:
+        tenant -> request ids. The caller chooses whose turn it is and claims those with `claim`."""
+        if request_type.ordered:
+            raise ValueError(f"{request_type} futures are ordered: claim them with claim_next(model_id)")
+        params = {"request_type": request_type.value, "per_tenant": per_tenant}
+        pending: dict[str, list[str]] = {}
+        with self.db.read_connection() as connection:  # see claim_ready: poll without the write lock
+            for row in connection.execute(_PENDING_BY_TENANT, params):
+                pending.setdefault(row.tenant, []).append(str(row.request_id))
+        return pending
+
     def complete(self, request_id: str, result: bytes) -> Future:
         return self._finish(request_id, ("running",), status="done", result=result)
 
@@ -613,6 +625,20 @@ _OLDEST_PENDING = (
     .where(_FUTURES.c.status == "pending", _FUTURES.c.request_type == bindparam("request_type"))
     .order_by(_FUTURES.c.request_id)
     .limit(bindparam("limit"))
+)
+_PENDING_RANKED = (
+    select(
+        _FUTURES.c.tenant,
+        _FUTURES.c.request_id,
+        func.row_number().over(partition_by=_FUTURES.c.tenant, order_by=_FUTURES.c.request_id).label("rank"),
+    )
+    .where(_FUTURES.c.status == "pending", _FUTURES.c.request_type == bindparam("request_type"))
+    .subquery()
+)
+_PENDING_BY_TENANT = (
+    select(_PENDING_RANKED.c.tenant, _PENDING_RANKED.c.request_id)
+    .where(_PENDING_RANKED.c.rank <= bindparam("per_tenant"))
+    .order_by(_PENDING_RANKED.c.request_id)
 )
 _ROW = select(_FUTURES).where(_FUTURES.c.request_id == bindparam("request_id"))
 _FIND = select(_FUTURES).where(

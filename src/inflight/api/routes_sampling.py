@@ -145,7 +145,13 @@ def _sampling_session(
             f"unknown sampling session {sampling_session_id!r}: create a sampling client first"
         )
     row, owner, published_at = found
-    # No checkpoint row (deleted, or a base-model or snapshot session): the worker says what is missing.
-    if sampling and row.model_path is not None and owner not in (None, tenant) and published_at is None:
+    # A checkpoint session whose checkpoint's row is gone (deleted) or is another tenant's and no longer
+    # published samples no more, though the engine may still hold the weights. (An expired one keeps its
+    # row: the worker, which checks the checkpoint again, says it expired.)
+    if (
+        sampling
+        and row.model_path is not None
+        and (owner is None or (owner != tenant and published_at is None))
+    ):
         raise not_found_error(row.model_path)
     return row

@@ -12,7 +12,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from inflight.api import jobs
 from inflight.api.access_log import annotate_future
@@ -47,6 +49,7 @@ from inflight.api.service import ServiceState, StateDep, TenantDep
 from inflight.errors import UserError
 
 router = APIRouter(prefix="/api/v1")
+LIVE_MODEL_STATES = ("creating", "ready")  # ModelRow.status of a model whose adapter is (to be) in memory
 # The ordered routes whose body FastAPI validates before the route runs: app.py's 422 handler records a
 # body that fails validation but names its model and seq_id as a failed future (reject_invalid_body), so
 # it leaves no hole in the model's queue. forward_backward and forward validate their own bodies.
@@ -60,7 +63,7 @@ ORDERED_BODY_ROUTES: dict[str, RequestType] = {
 
 @router.post("/create_model")
 def create_model(body: CreateModelRequest, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
-    state.session(body.session_id, tenant=tenant)
+    _open_session(state, body.session_id, tenant)
     state.base_model(body.base_model)
     _check_new_model(state, body.lora_config, body.optimizer_config.type)
     new_id = model_id(body.session_id, body.model_seq_id)
@@ -220,7 +223,7 @@ def load_weights(body: LoadWeightsRequest, state: StateDep, tenant: TenantDep) -
     if body.session_id is not None:
         if body.model_seq_id is None:
             raise UserError("load_weights with session_id also needs model_seq_id")
-        state.session(body.session_id, tenant=tenant)
+        _open_session(state, body.session_id, tenant)
         source = state.checkpoints.source(body.path, reader=tenant)
         if body.base_model is not None and body.base_model != source.base_model:
             raise UserError(f"{body.path} was trained on {source.base_model!r}, not {body.base_model!r}")
@@ -253,6 +256,15 @@ def load_weights(body: LoadWeightsRequest, state: StateDep, tenant: TenantDep) -
     return future_response(future)
 
 
+def _open_session(state: ServiceState, session_id: str, tenant: str) -> None:
+    """A new model needs a session that is not finished: a finished session's models are unloaded."""
+    if state.session(session_id, tenant=tenant).status == "finished":
+        raise UserError(
+            f"session {session_id!r} is finished, and the models of a finished session are unloaded: "
+            "create the model in a new session (a new ServiceClient)"
+        )
+
+
 def _check_new_model(state: ServiceState, lora: LoraConfig, optimizer: str) -> None:
     if optimizer != "adamw":
         raise UserError(f"optimizer {optimizer!r} is not supported; this server trains with 'adamw'")
@@ -276,6 +288,7 @@ def _ensure_model_row(
         with state.db.write() as session:
             row = session.get(ModelRow, new_id)
             if row is None:
+                _check_room_for_a_model(session, state.config.max_models_per_tenant, tenant)
                 session.add(
                     ModelRow(
                         model_id=new_id,
@@ -294,4 +307,22 @@ def _ensure_model_row(
         raise UserError(
             f"model_seq_id {model_seq_id} of session {session_id!r} is already model {new_id} "
             f"({row.base_model!r}, rank {row.lora_rank}); a new model needs the next model_seq_id"
+        )
+
+
+def _check_room_for_a_model(session: Session, limit: int, tenant: str) -> None:
+    """Each live model holds an adapter and its optimizer state in memory until its session finishes: a
+    key that kept creating them would exhaust the server's memory under every other tenant."""
+    live = session.scalar(
+        select(func.count())
+        .select_from(ModelRow)
+        .where(ModelRow.tenant == tenant, ModelRow.status.in_(LIVE_MODEL_STATES))
+    )
+    if live is not None and live >= limit:
+        raise UserError(
+            f"this API key already has {live} models loaded, the most this server holds for one key "
+            f"(max_models_per_tenant={limit}): finish the sessions you no longer need (close their "
+            "ServiceClient, or POST /api/v1/sessions/{session_id}/finish; GET /api/v1/training_runs lists "
+            "your models, each id starting with its session's), whose models are unloaded within seconds "
+            "once their queued requests are done, then create this one again"
         )

@@ -47,7 +47,13 @@ class ServiceConfig(BaseModel):
     # checkpoints) is small, and FastAPI parses it on the event loop, so it gets a much lower limit.
     max_request_bytes: int = Field(default=64 * 2**20, ge=1024)
     max_small_request_bytes: int = Field(default=2**20, ge=1024)
+    # From a request's headers to the end of its body (408 past it): 64 MiB needs ~0.5 MB/s. Without it
+    # a key holder trickling bodies would hold connections open for good.
+    request_body_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
     max_lora_rank: int = Field(default=64, ge=1)
+    # Models (adapters and their optimizer state, in memory until their session finishes) one API key may
+    # have loaded at once; a create_model beyond it is refused, naming how to free one.
+    max_models_per_tenant: int = Field(default=64, ge=1)
     dtype: DtypeName = "auto"  # base weights: see ServiceComputeConfig.dtype
     device: str = "auto"  # auto (CUDA when there is one, else cpu), cpu, cuda, cuda:N: everything runs there
     # Who samples: the built-in engine in this process, or per base model an `inflight serve-engine

@@ -24,13 +24,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
@@ -100,6 +101,11 @@ class WorkerConfig(BaseModel):
     # Sample futures handed to the engine and not yet finished; more wait in the database, claimed as these
     # finish (the engine batches whatever it holds, across sessions and adapters).
     max_sample_futures_in_flight: int = Field(default=64, ge=1)
+    # Sequences (num_samples summed) one tenant may have with the engines before its next sample waits in
+    # the database: the engine admits in arrival order, so without it one tenant's backlog would fill the
+    # engine's queue ahead of every other tenant's samples. Its default is the engine's default rows
+    # (ServiceComputeConfig.max_sample_rows). A tenant with nothing in flight always gets one request in.
+    max_samples_in_flight_per_tenant: int = Field(default=256, ge=1)
     housekeeping_interval_s: float = Field(default=5.0, gt=0)
     seq_gap_timeout_s: float = Field(default=300.0, gt=0)
     # How long `stop` waits for the round in progress (a shutdown has failed its futures by then).
@@ -109,6 +115,10 @@ class WorkerConfig(BaseModel):
     max_topk_logprobs: int = Field(default=64, ge=1)
     # In-memory sampler snapshots kept per model (each RL step makes one); older ones are freed.
     max_snapshots_per_model: int = Field(default=8, ge=1)
+    # Sampler checkpoints (tinker:// paths) kept loaded in the engines, the least recently sampled evicted
+    # (and read from disk again when sampled again): every one ever sampled used to stay, ~2.7 MB each of
+    # the tiny model's rank 64, so one tenant saving and sampling checkpoints ran the server out of memory.
+    max_checkpoint_adapters: int = Field(default=64, ge=1)
 
 
 ORPHANED_ERROR = (
@@ -145,8 +155,10 @@ class EngineWorker:
         self.metrics = metrics or ServiceMetrics()  # future latencies and tokens; counts stay in counters
         self.counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()  # routes read the counters from other threads
-        # Sampler keys registered in this process's engine; snapshots die with the process.
+        # Snapshot keys registered in this process's engine (snapshots die with the process), and the
+        # checkpoint paths loaded there, least recently sampled first (`max_checkpoint_adapters`).
         self._sampler_keys: set[str] = set()
+        self._checkpoint_adapters: OrderedDict[str, datetime] = OrderedDict()  # path -> its save's time
         self._snapshots: dict[str, deque[str]] = defaultdict(deque)  # model_id -> snapshot keys, oldest first
         self._evicted: set[str] = set()
         self._base_of: dict[str, str] = {}
@@ -156,8 +168,11 @@ class EngineWorker:
         self._accepted: queue.SimpleQueue[Future] = queue.SimpleQueue()
         self._claimed_seq: dict[str, int] = {}
         self._heads_queried_at = -float("inf")
-        # Samples with the engine: their work is not lost when a round fails, so they are held apart.
-        self._sampling: set[str] = set()
+        # Samples with the engine (request id -> its tenant and num_samples): their work is not lost when a
+        # round fails, so they are held apart.
+        self._sampling: dict[str, tuple[str, int]] = {}
+        self._sample_turns: dict[str, int] = {}  # tenant -> when it last had a sample claimed (a count)
+        self._turn_counter = itertools.count()
         # Filled by the engine loops' threads, drained by this one.
         self._sampled: queue.SimpleQueue[_Sampled] = queue.SimpleQueue()
         # Sample request ids cancelled by routes; re-applied after each round's submissions (see `cancel`).
@@ -297,10 +312,7 @@ class EngineWorker:
         room = self.config.max_sample_futures_in_flight - len(self._sampling)
         claimed_samples: list[Future] = []
         if samples and room > 0:  # more beyond `room` wait until the engine finishes some (`_on_sampled`)
-            claimed_samples = self.store.claim_unordered(RequestType.SAMPLE, room)
-        self._held.update(f.request_id for f in claimed_samples)
-        if claimed_samples:
-            self._submit_samples(claimed_samples)
+            claimed_samples = self._claim_samples(room)
         self._apply_cancels()
         return len(heads) + len(claimed_samples) + sampled
 
@@ -335,6 +347,37 @@ class EngineWorker:
                 self._claimed_seq[head.model_id] = head.seq_id
         return claimed
 
+    def _claim_samples(self, room: int) -> list[Future]:
+        """Claim up to `room` pending samples and hand each to the engine, tenants taking turns: the next
+        is always the oldest of the tenant with the fewest sequences in flight (then the one served least
+        recently), and a tenant with `max_samples_in_flight_per_tenant` in flight waits for its own to
+        finish, so one tenant's backlog queues no other tenant's sample behind it, in the database or in
+        the engine's first-come queue. One claim per sample: its num_samples is known once it is read."""
+        pending = {
+            tenant: deque(request_ids)
+            for tenant, request_ids in self.store.pending_unordered_by_tenant(
+                RequestType.SAMPLE, room
+            ).items()
+        }
+        claimed: list[Future] = []
+        while pending and len(claimed) < room:
+            in_flight: Counter[str] = Counter()
+            for tenant, num_samples in self._sampling.values():
+                in_flight[tenant] += num_samples
+            turns = [t for t in pending if in_flight[t] < self.config.max_samples_in_flight_per_tenant]
+            if not turns:
+                break
+            tenant = min(turns, key=lambda t: (in_flight[t], self._sample_turns.get(t, -1)))
+            request_id = pending[tenant].popleft()
+            if not pending[tenant]:
+                del pending[tenant]
+            for future in self.store.claim([request_id]):  # none if another engine claimed it first
+                self._sample_turns[tenant] = next(self._turn_counter)
+                self._held.add(future.request_id)
+                self._submit_samples([future])
+                claimed.append(future)
+        return claimed
+
     def housekeeping(self) -> None:
         self.checkpoints.delete_expired()
         older_than = utcnow() - timedelta(seconds=self.config.seq_gap_timeout_s)
@@ -347,7 +390,7 @@ class EngineWorker:
     def _fail_orphaned(self) -> None:
         """Fail running futures whose work was lost, so their clients stop polling (never raises)."""
         try:
-            orphaned = self.store.fail_orphaned(self._held | self._sampling, ORPHANED_ERROR)
+            orphaned = self.store.fail_orphaned(self._held.union(self._sampling), ORPHANED_ERROR)
         except Exception:  # the database is still away: the next housekeeping round tries again
             log.exception("could not fail the futures of a failed round")
             return
@@ -597,7 +640,7 @@ class EngineWorker:
                 self._settle(future, err)
                 continue
             self._held.discard(future.request_id)
-            self._sampling.add(future.request_id)
+            self._sampling[future.request_id] = (future.tenant, request.num_samples)
             self._count("sample_jobs")
             pending.add_done_callback(functools.partial(self._on_sampled, future, request))
 
@@ -616,7 +659,7 @@ class EngineWorker:
                 future, request, done = self._sampled.get_nowait()
             except queue.Empty:
                 return settled
-            self._sampling.discard(future.request_id)
+            self._sampling.pop(future.request_id, None)
             error = done.exception()
             if isinstance(error, SampleCancelledError):  # the route recorded the cancel already
                 self._count("samples_cancelled")
@@ -664,11 +707,20 @@ class EngineWorker:
                 )
             return base_model, snapshot_key
         if model_path is not None:
-            if model_path not in self._sampler_keys:
-                checkpoint = self.checkpoints.get(model_path, reader=tenant)  # asample's check, once more
-                owner, update = self.compute.read_sampler_update(model_path, checkpoint.storage_dir)
-                self.sampler.set_adapter(owner, update)
-                self._sampler_keys.add(model_path)
+            # asample's check once more, for every sample: a checkpoint deleted, expired or unpublished
+            # since it was loaded samples no more, not even from the engine's copy.
+            checkpoint = self.checkpoints.get(model_path, reader=tenant)
+            # A path deleted and saved again names new weights: the engine's copy is then replaced.
+            if self._checkpoint_adapters.get(model_path) == checkpoint.created_at:
+                self._checkpoint_adapters.move_to_end(model_path)
+                return base_model, model_path
+            owner, update = self.compute.read_sampler_update(model_path, checkpoint.storage_dir)
+            self.sampler.set_adapter(owner, update)
+            self._checkpoint_adapters[model_path] = checkpoint.created_at
+            self._checkpoint_adapters.move_to_end(model_path)
+            while len(self._checkpoint_adapters) > self.config.max_checkpoint_adapters:
+                evicted, _ = self._checkpoint_adapters.popitem(last=False)
+                self.sampler.remove_adapter(evicted)  # its running samples finish on it
             return base_model, model_path
         return base_model, None
 
@@ -700,11 +752,16 @@ class EngineWorker:
             "lost": "lost its live weights when the server restarted; create a new training client from its "
             "last checkpoint (create_training_client_from_state_with_optimizer) and resubmit",
             CREATION_FAILED: "failed to be created (see its create_model or load_weights error)",
-            "unloaded": "was unloaded when its session finished",
+            "unloaded": "was unloaded when its session finished; create a new training client (in a new "
+            "session) from its last checkpoint to go on",
         }
         message = f"model {model_id!r} {reasons.get(status, 'has no live adapter')}"
-        if status == CREATION_FAILED and self._creation_category(model_id) == "user":
-            raise UserError(message)  # the client's own request (e.g. a LoRA config that trains nothing)
+        if status == "unloaded" or (
+            status == CREATION_FAILED and self._creation_category(model_id) == "user"
+        ):
+            # the client's own doing: it finished the session, or its create_model was refused (e.g. a LoRA
+            # config that trains nothing)
+            raise UserError(message)
         raise ModelUnavailableError(message)
 
     def _creation_category(self, model_id: str) -> str | None:
