@@ -387,3 +387,32 @@ def test_each_evaluation_row_says_which_evaluation_it_is_and_over_how_many_episo
     # The summary's initial and final returns are those rows' (its final one, not the periodic one).
     [final] = [r for r in rows if r.get("eval") == "final"]
     assert summary(run_dir)["return_final"] == round(final["test/return_greedy"], 4)
+
+
+def test_the_initial_evaluation_plays_the_first_num_episodes_initial_test_problems(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """eval.num_episodes_initial: the evaluation before training plays the first N of the final one's test
+    problems (BlackJack's untrained policy made its 10,000 hands a run's costliest evaluation); 0 skips it.
+    A test problem's reward is its index, so each return says which problems were played."""
+    body = """
+    def REWARD(problem, reply):
+        return float(problem["i"]) if problem["split"] == "test" else float(len(reply) % 3)
+    """
+    target = write_task(tmp_path, "initial_share", body)
+    run_dir = tmp_path / "run"
+    assert run(target, run_dir, tiny_model_dir, "grpo.steps=1", "eval.num_episodes_initial=2") == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["eval"]: r for r in rows if r["phase"] == "eval"}
+    assert (evals["initial"]["episodes"], evals["final"]["episodes"]) == (2, 4)
+    assert evals["initial"]["test/return_greedy"] == evals["initial"]["test/return"] == 0.5  # problems 0, 1
+    got = summary(run_dir)
+    assert (got["return_initial"], got["return_final"]) == (0.5, 1.5)  # the final one: problems 0-3
+    assert (got["eval_problems_initial"], got["eval_problems"]) == (2, 4)
+
+    skipped = tmp_path / "skipped"
+    assert run(target, skipped, tiny_model_dir, "grpo.steps=1", "eval.num_episodes_initial=0") == 0
+    rows = [json.loads(line) for line in (skipped / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval"] for r in rows if r["phase"] == "eval"] == ["final"]
+    got = summary(skipped)
+    assert (got["return_initial"], got["return_final"], got["eval_problems_initial"]) == (None, 1.5, 0)

@@ -100,6 +100,10 @@ class EvalConfig(_Config):
     # The sampled evaluation's share of those (the first N; None: all): the greedy one is the measure of
     # the policy and costs less per problem (identical requests are generated once).
     num_episodes_sampled: int | None = Field(default=None, ge=0)
+    # The initial evaluation's share of the greedy episodes (the first N; None: num_episodes; 0: none). It
+    # measures the policy before training for the report, not the policy trained, which an untrained
+    # policy's long episodes can make the costliest evaluation of a run.
+    num_episodes_initial: int | None = Field(default=None, ge=0)
     seed: Seed = 1_000_000  # seeds the sampled evaluation's turns (the same for every evaluation)
     # Episodes played at once; the rest wait their turn. None: as many as the engines decode together
     # (engine.max_batch_size per engine replica). More only queue in the engine, where a multi-turn episode's

@@ -164,8 +164,9 @@ def run(
             def test(driver: Driver, num_problems: int, title: str | None = None) -> dict[str, float]:
                 return evaluate(task, test_problems, cfg, chat, driver, num_problems, title)
 
-            # How many test problems each evaluation plays: the initial and the final one, and those during.
+            # How many test problems each evaluation plays: the final one, the initial one, and those during.
             evaluated = min(cfg.eval.num_episodes, len(test_problems))
+            evaluated_initial = initial_episodes(cfg, len(test_problems))
             evaluated_during = min(cfg.eval.num_episodes_during, len(test_problems))
 
             def during(driver: Driver) -> dict[str, Any]:  # no progress of its own: the training's shows
@@ -175,9 +176,9 @@ def run(
             # policy before training is gone; a run stopped before its first step), else made now.
             initial = _logged_initial(run_dir)
             if not initial and not first_step:
-                initial = test(InlineDriver(parts.engine), cfg.eval.num_episodes, "initial evaluation")
+                initial = test(InlineDriver(parts.engine), evaluated_initial, "initial evaluation")
                 if initial:
-                    logger.log(0, eval_row("initial", evaluated, initial), phase="eval")
+                    logger.log(0, eval_row("initial", evaluated_initial, initial), phase="eval")
             if stop is not None and stop.reason is not None and first_step < cfg.grpo.steps:
                 # During the initial evaluation (which finishes: it is the run's only one of its policy) or
                 # the engine's and trainer's start. Here, not in the loops: they look only after a step.
@@ -438,9 +439,18 @@ def _trained_a_step(run_dir: Path) -> bool:
         return False
 
 
+def initial_episodes(cfg: RunConfig, test_problems: int) -> int:
+    """How many test problems the initial evaluation plays greedily: eval.num_episodes_initial of the
+    final evaluation's (all of them when None), at most the split's."""
+    share = cfg.eval.num_episodes_initial
+    evaluated = min(cfg.eval.num_episodes, test_problems)
+    return evaluated if share is None else min(share, evaluated)
+
+
 def eval_row(which: EvalName, episodes: int, metrics: dict[str, float]) -> dict[str, Any]:
-    """An evaluation's metrics.jsonl row (phase=eval): `eval` names which one (`initial` before training,
-    `during` every eval.every_steps over eval.num_episodes_during, `final` after it over eval.num_episodes)
+    """An evaluation's metrics.jsonl row (phase=eval): `eval` names which one (`initial` before training
+    over eval.num_episodes_initial, `during` every eval.every_steps over eval.num_episodes_during, `final`
+    after it over eval.num_episodes)
     and `episodes` how many test problems it played greedily (the sampled pass plays the first
     eval.num_episodes_sampled of them); its metrics under `test/`. At the last step a `during` and the
     `final` row are both logged, over different numbers of episodes: only these fields tell them apart."""
@@ -464,9 +474,10 @@ def build_summary(
     wall_s (this process's seconds, from the start of `run` to the summary), wall_s_total (the seconds of
     every process of the run that wrote a summary to metrics.jsonl, this one included: a process killed
     before its summary is missing from it), eval_problems and eval_problems_sampled (how many test problems
-    the greedy and the sampled evaluation played), eval_errors_initial/final(_sampled) (how many of those
-    rollouts failed, left out of the returns), return_initial/final (greedy decoding on the test
-    problems), return_initial/final_sampled (the sampling policy), the task's `summarize()` keys,
+    the final evaluation played, greedy and sampled), eval_problems_initial (how many the initial one played
+    greedily; its sampled pass the first eval_problems_sampled of them), eval_errors_initial/final(_sampled)
+    (how many of those rollouts failed, left out of the returns), return_initial/final (greedy decoding on
+    the test problems), return_initial/final_sampled (the sampling policy), the task's `summarize()` keys,
     return_first10/last10 (mean training reward of the first and last tenth of the whole run's steps, those
     before a resume read from metrics.jsonl), stopped (the signal that ended the training before
     cfg.grpo.steps, else None), run_dir; and summarize_error, only when the task's `summarize` failed (its
@@ -489,6 +500,7 @@ def build_summary(
         "wall_s_total": round(earlier_wall_s + wall_s, 1),
         "eval_problems": evaluated,
         "eval_problems_sampled": evaluated if sampled_cap is None else min(sampled_cap, evaluated),
+        "eval_problems_initial": initial_episodes(cfg, test_problems),
         "eval_errors_initial": _count(initial.get("rollout_errors_greedy")),
         "eval_errors_final": _count(final.get("rollout_errors_greedy")),
         "eval_errors_initial_sampled": _count(initial.get("rollout_errors")),
