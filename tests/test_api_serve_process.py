@@ -111,6 +111,7 @@ def test_a_bad_grace_period_is_refused_by_the_parser(tmp_path: Path) -> None:
         ("--max-models-per-key", "many", "expected a whole number, got 'many'"),
         ("--request-body-timeout-s", "0", "expected a number of seconds > 0, got 0"),
         ("--request-body-timeout-s", "inf", "expected a finite number of seconds >= 0, got 'inf'"),
+        ("--session-expiry-s", "0", "expected a number of seconds > 0, got 0"),
     ],
 )
 def test_the_per_key_limits_are_checked_by_the_parser(
@@ -125,18 +126,20 @@ def test_the_per_key_limits_are_checked_by_the_parser(
 def test_the_per_key_limits_reach_the_service(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The two limits a QA pass added to ServiceConfig (models per API key, the body's deadline) are the
-    operator's to set: without flags they were fixed at their defaults for every `inflight serve`."""
+    """The limits a QA pass added to ServiceConfig (models per API key, the body's deadline, a silent
+    session's expiry) are the operator's to set: without flags they were fixed for every `inflight serve`."""
     import inflight.api.app
     from inflight.cli import main
 
     seen: dict[str, object] = {}
     monkeypatch.setattr(inflight.api.app, "serve", lambda **kwargs: seen.update(kwargs))
     argv = serve_command(tiny_model_dir, tmp_path / "state", "--port", str(free_port()))[3:]
-    assert main([*argv, "--max-models-per-key", "3", "--request-body-timeout-s", "7.5"]) == 0
-    assert (seen["max_models_per_key"], seen["request_body_timeout_s"]) == (3, 7.5)
+    limits = ["--max-models-per-key", "3", "--request-body-timeout-s", "7.5", "--session-expiry-s", "30"]
+    keys = ("max_models_per_key", "request_body_timeout_s", "session_expiry_s")
+    assert main([*argv, *limits]) == 0
+    assert [seen[key] for key in keys] == [3, 7.5, 30]
     assert main(argv) == 0
-    assert (seen["max_models_per_key"], seen["request_body_timeout_s"]) == (64, 120.0)
+    assert [seen[key] for key in keys] == [64, 120, 600]
 
 
 def test_help_names_the_operations() -> None:

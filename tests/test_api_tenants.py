@@ -33,7 +33,7 @@ from conftest import sample_body
 from inflight.api.app import BackgroundServer, create_app, load_compute
 from inflight.api.auth import tenant_of
 from inflight.api.compute import ServiceCompute, ServiceComputeConfig
-from inflight.api.db import Database, ModelRow, sqlite_url
+from inflight.api.db import Database, ModelRow, SessionRow, sqlite_url
 from inflight.api.service import ServiceConfig, ServiceState
 from inflight.api.worker import WorkerConfig
 
@@ -447,6 +447,22 @@ def test_one_tenants_backlog_of_samples_queues_no_other_tenants_sample_behind_it
             b.post("/cancel_future", json={"request_id": request_id})
 
 
+def test_a_tenants_share_of_the_engine_is_by_default_the_rows_it_decodes_together(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The share was a fixed 256 sequences, the engine's default rows; an engine that decodes fewer (a
+    larger model's K/V budget, or max_sample_rows) then took a tenant's whole share into its first-come
+    queue past its rows. By default it is now the rows the engine decodes together."""
+    config = service_config(tmp_path, tiny_model_dir, [KEY_A])
+    compute = ServiceCompute(
+        config.base_models, max_rank=config.max_lora_rank, config=ServiceComputeConfig(max_sample_rows=16)
+    )
+    with BackgroundServer(create_app(config, compute=compute)) as server:
+        worker = state_of(server).wake_worker.__self__  # type: ignore[attr-defined]
+        assert compute.sampling_config(BASE).max_batch_size == 16
+        assert worker.config.max_samples_in_flight_per_tenant == 16
+
+
 def test_one_key_cannot_fill_the_servers_memory_with_models(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Each model holds its adapter and optimizer state in memory until its session finishes: 200 rank-64
     models of one key took the server from 0.96 to 2.3 GB in 2.5 s, a rate that runs any machine out of
@@ -483,6 +499,61 @@ def test_one_key_cannot_fill_the_servers_memory_with_models(tiny_model_dir: Path
         while (again := create(b, b_next, 0)).status_code == 400 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "error" not in result(b, again.json()["request_id"]).json()
+
+
+def test_a_session_whose_client_went_silent_is_finished_and_its_models_unloaded(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A client that died without closing its session held its models in memory, and its key's
+    models-per-key room, for good: a key whose scripts crashed 64 times was locked out. A session with no
+    heartbeat and no request for `session_expiry_s` is now finished and its models unloaded; one that
+    heartbeats, or one that only sends requests (raw HTTP), stays."""
+    config = service_config(tmp_path, tiny_model_dir, [KEY_A]).model_copy(update={"max_models_per_tenant": 3})
+    worker = WorkerConfig(session_expiry_s=3.0, housekeeping_interval_s=0.1)
+    with BackgroundServer(create_app(config, worker_config=worker)) as server, http(server, KEY_A) as a:
+
+        def create(session_id: str, model_seq_id: int = 0) -> httpx.Response:
+            body = {"session_id": session_id, "model_seq_id": model_seq_id, "base_model": BASE}
+            return a.post("/create_model", json={**body, "lora_config": {"rank": 4}})
+
+        def new_model() -> tuple[str, str]:
+            session_id = a.post("/create_session", json={}).json()["session_id"]
+            created = create(session_id).json()
+            assert "error" not in result(a, created["request_id"]).json()
+            return session_id, created["model_id"]
+
+        silent, heartbeating, busy = new_model(), new_model(), new_model()
+        spare = a.post("/create_session", json={}).json()["session_id"]
+        assert create(spare).status_code == 400  # the key's room is full
+
+        def status(session_id: str) -> str:
+            with state_of(server).db.read() as rows:
+                row = rows.get(SessionRow, session_id)
+                assert row is not None
+                return row.status
+
+        seq_id = 0
+        deadline = time.monotonic() + 60
+        while status(silent[0]) != "finished":
+            assert time.monotonic() < deadline, "the silent session was never finished"
+            a.post("/session_heartbeat", json={"session_id": heartbeating[0]})
+            seq_id += 1
+            step = {"model_id": busy[1], "seq_id": seq_id, "adam_params": {"learning_rate": 1e-3}}
+            assert a.post("/optim_step", json=step).status_code == 200
+            time.sleep(0.2)
+        assert status(heartbeating[0]) == status(busy[0]) == "active"
+
+        # Its model is unloaded: a request on it fails as the client's doing, saying why; the room is back
+        # (in a new session: `spare`, silent too, has been finished as well).
+        late = {"model_id": silent[1], "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+        failed = result(a, a.post("/optim_step", json=late).json()["request_id"]).json()
+        assert failed.get("category") == "user" and "silent for 3 s" in failed["error"], failed
+        assert status(spare) == "finished"
+        fresh = a.post("/create_session", json={}).json()["session_id"]
+        deadline = time.monotonic() + 30
+        while (again := create(fresh)).status_code == 400 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "error" not in result(a, again.json()["request_id"]).json()
 
 
 def test_a_finished_sessions_models_are_refused_as_the_clients_own_doing(server: BackgroundServer) -> None:

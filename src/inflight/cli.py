@@ -168,6 +168,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
         max_models_per_key=args.max_models_per_key,
         request_body_timeout_s=args.request_body_timeout_s,
+        session_expiry_s=args.session_expiry_s,
     )
     return 0
 
@@ -393,6 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request's body must arrive whole this long after its headers, else 408 and the connection "
         "closes: a client trickling bodies cannot hold connections open (default %(default)g; a 64 MiB "
         "body then needs ~0.5 MB/s)",
+    )
+    serve.add_argument(
+        "--session-expiry-s",
+        type=_positive_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="a session whose client sent no heartbeat (the SDK sends one every 10 s) and no request this "
+        "long, with nothing queued or running, is finished and its models unloaded: a client that died "
+        "without closing its session no longer holds them (default %(default)g)",
     )
     serve.add_argument(
         "--engine",

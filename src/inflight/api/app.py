@@ -171,7 +171,11 @@ def _start(
             default_max_tokens=config.default_max_tokens,
             max_num_samples=config.max_num_samples,
             max_topk_logprobs=config.max_topk_logprobs,
+            session_expiry_s=config.session_expiry_s,
         )
+        if worker_config.max_samples_in_flight_per_tenant is None:  # a tenant's share: an engine's rows
+            rows = min(placed.sampling_config(name).max_batch_size for name in base_models)
+            worker_config = worker_config.model_copy(update={"max_samples_in_flight_per_tenant": rows})
         worker = EngineWorker(
             placed,
             sampler,
@@ -344,6 +348,7 @@ def serve(
     ray_address: str | None = None,
     max_models_per_key: int = 64,
     request_body_timeout_s: float = 120.0,
+    session_expiry_s: float = 600.0,
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
@@ -367,6 +372,7 @@ def serve(
         ray=RayConfig(address=ray_address),
         max_models_per_tenant=max_models_per_key,
         request_body_timeout_s=request_body_timeout_s,
+        session_expiry_s=session_expiry_s,
     )
     for path in base_models.values():  # a missing directory: a path check, answered before torch loads
         check_model_dir(path)

@@ -54,6 +54,9 @@ class ServiceConfig(BaseModel):
     # Models (adapters and their optimizer state, in memory until their session finishes) one API key may
     # have loaded at once; a create_model beyond it is refused, naming how to free one.
     max_models_per_tenant: int = Field(default=64, ge=1)
+    # A session with no heartbeat and no request this long (its client died without closing it) is finished
+    # and its models unloaded (WorkerConfig.session_expiry_s); the SDK heartbeats every 10 s.
+    session_expiry_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     dtype: DtypeName = "auto"  # base weights: see ServiceComputeConfig.dtype
     device: str = "auto"  # auto (CUDA when there is one, else cpu), cpu, cuda, cuda:N: everything runs there
     # Who samples: the built-in engine in this process, or per base model an `inflight serve-engine

@@ -16,7 +16,8 @@ The compute's trainer side is never touched from any other thread; the sampler's
 Every failure becomes a failed future (user or server category) and a count in `counters`; the loop itself
 never dies. No future stays running: one claimed in a round that dies midway (a DB hiccup, an error outside
 any one request) is failed at once, and a periodic sweep fails any running future this worker does not
-hold (`failed_orphaned`).
+hold (`failed_orphaned`). The same sweep finishes the sessions whose client went silent (no heartbeat, no
+request: `session_expiry_s`) and unloads the models of finished sessions.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.exc import IntegrityError
 
 from inflight.api import jobs
@@ -103,9 +104,10 @@ class WorkerConfig(BaseModel):
     max_sample_futures_in_flight: int = Field(default=64, ge=1)
     # Sequences (num_samples summed) one tenant may have with the engines before its next sample waits in
     # the database: the engine admits in arrival order, so without it one tenant's backlog would fill the
-    # engine's queue ahead of every other tenant's samples. Its default is the engine's default rows
-    # (ServiceComputeConfig.max_sample_rows). A tenant with nothing in flight always gets one request in.
-    max_samples_in_flight_per_tenant: int = Field(default=256, ge=1)
+    # engine's queue ahead of every other tenant's samples. None: the rows the smallest sampling engine
+    # decodes together, which the app reads from its compute (unbounded in a worker built without one).
+    # A tenant with nothing in flight always gets one request in.
+    max_samples_in_flight_per_tenant: int | None = Field(default=None, ge=1)
     housekeeping_interval_s: float = Field(default=5.0, gt=0)
     seq_gap_timeout_s: float = Field(default=300.0, gt=0)
     # How long `stop` waits for the round in progress (a shutdown has failed its futures by then).
@@ -119,6 +121,11 @@ class WorkerConfig(BaseModel):
     # (and read from disk again when sampled again): every one ever sampled used to stay, ~2.7 MB each of
     # the tiny model's rank 64, so one tenant saving and sampling checkpoints ran the server out of memory.
     max_checkpoint_adapters: int = Field(default=64, ge=1)
+    # A session whose client sent no heartbeat (every SDK sends one every 10 s) and no request for this long,
+    # with nothing of its own queued or running, is finished, and its models unloaded: a client that died
+    # without closing its session otherwise held its adapters in memory, and its key's models-per-key room,
+    # for good.
+    session_expiry_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
 
 
 ORPHANED_ERROR = (
@@ -364,7 +371,8 @@ class EngineWorker:
             in_flight: Counter[str] = Counter()
             for tenant, num_samples in self._sampling.values():
                 in_flight[tenant] += num_samples
-            turns = [t for t in pending if in_flight[t] < self.config.max_samples_in_flight_per_tenant]
+            share = self.config.max_samples_in_flight_per_tenant
+            turns = [t for t in pending if share is None or in_flight[t] < share]
             if not turns:
                 break
             tenant = min(turns, key=lambda t: (in_flight[t], self._sample_turns.get(t, -1)))
@@ -385,6 +393,7 @@ class EngineWorker:
             self._count("failed_seq_gap")
             self.on_finished(future.request_id, future)
         self._fail_orphaned()
+        self._expire_silent_sessions()
         self._unload_finished_sessions()
 
     def _fail_orphaned(self) -> None:
@@ -752,8 +761,9 @@ class EngineWorker:
             "lost": "lost its live weights when the server restarted; create a new training client from its "
             "last checkpoint (create_training_client_from_state_with_optimizer) and resubmit",
             CREATION_FAILED: "failed to be created (see its create_model or load_weights error)",
-            "unloaded": "was unloaded when its session finished; create a new training client (in a new "
-            "session) from its last checkpoint to go on",
+            "unloaded": "was unloaded when its session finished (closed by its client, or silent for "
+            f"{self.config.session_expiry_s:g} s: no heartbeat, no request); create a new training client "
+            "(in a new session) from its last checkpoint to go on",
         }
         message = f"model {model_id!r} {reasons.get(status, 'has no live adapter')}"
         if status == "unloaded" or (
@@ -779,6 +789,42 @@ class EngineWorker:
             row = session.get(ModelRow, model_id)
             if row is not None:
                 row.status = status
+
+    def _expire_silent_sessions(self) -> None:
+        """Finish the sessions whose client went silent (`session_expiry_s`); `_unload_finished_sessions`
+        then unloads their models. A request counts as a sign of life as a heartbeat does: a client on raw
+        HTTP that never heartbeats keeps its session while it sends requests."""
+        cutoff = utcnow() - timedelta(seconds=self.config.session_expiry_s)
+        expired: list[str] = []
+        with self.db.write() as session:
+            silent = select(SessionRow).where(
+                SessionRow.status != "finished", SessionRow.last_heartbeat_at < cutoff
+            )
+            for row in session.scalars(silent).all():
+                models = select(ModelRow.model_id).where(ModelRow.session_id == row.session_id)
+                samplers = select(SamplingSessionRow.sampling_session_id).where(
+                    SamplingSessionRow.session_id == row.session_id
+                )
+                alive = session.scalar(
+                    select(FutureRow.request_id)
+                    .where(
+                        or_(FutureRow.model_id.in_(models), FutureRow.model_id.in_(samplers)),
+                        or_(FutureRow.created_at >= cutoff, FutureRow.status.in_(("pending", "running"))),
+                    )
+                    .limit(1)
+                )
+                if alive is None:
+                    row.status = "finished"
+                    expired.append(row.session_id)
+        for session_id in expired:
+            log.warning(
+                "session %s finished: no heartbeat or request for %g s (session_expiry_s); its models are "
+                "unloaded",
+                session_id,
+                self.config.session_expiry_s,
+            )
+        if expired:
+            self._count("sessions_expired", len(expired))
 
     def _unload_finished_sessions(self) -> None:
         with self.db.read() as session:
