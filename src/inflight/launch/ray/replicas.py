@@ -220,7 +220,7 @@ class ReplicaWatch:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(5)  # a round waits at most ~0.5 s; a daemon thread stuck past that is left behind
 
     def metrics(self) -> dict[str, float]:
         return {"engine_replica_restarts": float(self._restarts), "engine_replicas_up": float(sum(self._up))}
