@@ -95,21 +95,27 @@ def test_models_queue_independently(store: FutureStore) -> None:
     assert _claim_all(store, other) == [0]
 
 
-def test_samples_are_claimed_oldest_first_in_any_seq_order(store: FutureStore) -> None:
+def test_samples_are_listed_per_tenant_oldest_first_in_any_seq_order(store: FutureStore) -> None:
     sampler = "s1:sample:0"
     ids = [
         store.submit(sampler, seq, RequestType.SAMPLE, b"p%d" % seq).request_id for seq in [5, 1_000_000_000]
     ]
     legacy = [store.submit(sampler, None, RequestType.SAMPLE, b"same").request_id for _ in range(2)]
     assert legacy[0] != legacy[1]  # no seq_id: nothing to dedupe on
+    other = store.submit("s2:sample:0", 1, RequestType.SAMPLE, b"q", tenant="b").request_id
     assert store.ready_model_ids() == []  # samples never enter the ordered queues
     assert store.claim_next(sampler) is None
-    claimed = store.claim_unordered(RequestType.SAMPLE, limit=3)
+    pending = store.pending_unordered_by_tenant(RequestType.SAMPLE, per_tenant=3)
+    assert pending == {"": [*ids, legacy[0]], "b": [other]}  # each tenant's oldest 3
+    claimed = store.claim(pending[""])
     assert [f.request_id for f in claimed] == [*ids, legacy[0]]
     assert all(f.status == "running" for f in claimed)
-    assert [f.request_id for f in store.claim_unordered(RequestType.SAMPLE, limit=3)] == [legacy[1]]
+    assert store.pending_unordered_by_tenant(RequestType.SAMPLE, per_tenant=3) == {
+        "": [legacy[1]],
+        "b": [other],
+    }
     with pytest.raises(ValueError, match="ordered"):
-        store.claim_unordered(FWD_BWD, limit=1)
+        store.pending_unordered_by_tenant(FWD_BWD, per_tenant=1)
 
 
 def test_complete_and_fail_with_categories(store: FutureStore) -> None:

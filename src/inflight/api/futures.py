@@ -253,17 +253,6 @@ class FutureStore:
         with self.db.read_connection() as connection:
             return list(connection.scalars(_READY_MODEL_IDS).all())
 
-    def claim_unordered(self, request_type: RequestType, limit: int) -> list[Future]:
-        """Claim up to `limit` pending futures of an unordered type (samples), oldest first."""
-        if request_type.ordered:
-            raise ValueError(f"{request_type} futures are ordered: claim them with claim_next(model_id)")
-        params = {"request_type": request_type.value, "limit": limit}
-        with self.db.read_connection() as connection:  # see claim_ready: poll without the write lock
-            if connection.scalars(_OLDEST_PENDING, {**params, "limit": 1}).first() is None:
-                return []
-        with self.db.write_connection() as connection:
-            return _mark_running(connection, connection.scalars(_OLDEST_PENDING, params).all())
-
     def pending_unordered_by_tenant(self, request_type: RequestType, per_tenant: int) -> dict[str, list[str]]:
         """Each tenant's oldest `per_tenant` pending futures of an unordered type (samples), oldest first:
         tenant -> request ids. The caller chooses whose turn it is and claims those with `claim`."""
@@ -620,12 +609,6 @@ def _ready_heads_query(*, one_model: bool) -> Select[tuple[int, int]]:
 _READY_HEADS = _ready_heads_query(one_model=False)
 _READY_HEADS_OF = _ready_heads_query(one_model=True)
 _READY_MODEL_IDS = _READY_HEADS.with_only_columns(_FUTURES.c.model_id)
-_OLDEST_PENDING = (
-    select(_FUTURES.c.request_id)
-    .where(_FUTURES.c.status == "pending", _FUTURES.c.request_type == bindparam("request_type"))
-    .order_by(_FUTURES.c.request_id)
-    .limit(bindparam("limit"))
-)
 _PENDING_RANKED = (
     select(
         _FUTURES.c.tenant,
