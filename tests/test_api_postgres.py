@@ -16,13 +16,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import tinker
+from sqlalchemy import func, select
 
 import test_api_futures as futures_suite
 from inflight.api.app import BackgroundServer, create_app
-from inflight.api.db import Database
+from inflight.api.db import Database, ModelRow
 from inflight.api.futures import FutureStore, RequestType
 from inflight.api.service import ServiceConfig
 
@@ -212,3 +214,36 @@ def test_sdk_walk_on_postgres(postgres: str, tiny_model_dir: Path, tmp_path: Pat
             listed = tinker.RestClient(base_url=server.url).list_checkpoints(training.model_id).result()
             assert [c.tinker_path for c in listed.checkpoints] == [state.path]
             service.close("success").result()
+
+
+def test_concurrent_creates_of_one_key_stay_within_its_models_cap(db: Database) -> None:
+    # Under READ COMMITTED each create counted the key's live models before any other's insert was
+    # committed, so 16 creates at once against a cap of 4 all saw room, and the key held up to 16.
+    from inflight.api.db import SessionRow
+    from inflight.api.routes_training import _ensure_model_row
+    from inflight.api.schemas import LoraConfig
+    from inflight.errors import UserError
+
+    cap, creates = 4, 16
+    state = SimpleNamespace(db=db, config=SimpleNamespace(max_models_per_tenant=cap))
+    with db.write() as session:
+        session.add(SessionRow(session_id="s1", tenant="key-a"))
+    refused: list[str] = []
+    barrier = threading.Barrier(creates)
+
+    def create(n: int) -> None:
+        barrier.wait()
+        try:
+            _ensure_model_row(state, "key-a", f"s1:train:{n}", "s1", n, "tiny", LoraConfig(rank=4))
+        except UserError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=create, args=(n,)) for n in range(creates)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    with db.read() as session:
+        live = session.scalar(select(func.count()).select_from(ModelRow).where(ModelRow.tenant == "key-a"))
+    assert live == cap
+    assert len(refused) == creates - cap and all("max_models_per_tenant=4" in e for e in refused)

@@ -560,7 +560,7 @@ def test_a_finished_sessions_models_are_refused_as_the_clients_own_doing(server:
     """A finished session's models are unloaded (their memory is freed). A create_model in a finished
     session used to be accepted, build its adapter and then lose it, and every request on an unloaded
     model failed as the server's fault; now the create is a 400 and the requests fail as user errors, each
-    naming the way on (a new session)."""
+    naming the way on (a new session). So is a new sampling session in a finished session."""
     with http(server, KEY_B) as b:
         session_id = b.post("/create_session", json={}).json()["session_id"]
         body = {"session_id": session_id, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}}
@@ -570,9 +570,11 @@ def test_a_finished_sessions_models_are_refused_as_the_clients_own_doing(server:
         b.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
 
         late = {**body, "model_seq_id": 1}
+        sampler = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": BASE}
         for route, request in [
             ("/create_model", late),
             ("/load_weights", {**late, "path": f"tinker://{FAKE_MODEL}/weights/x"}),
+            ("/create_sampling_session", sampler),
         ]:
             refused = b.post(route, json=request)
             assert refused.status_code == 400, (route, refused.text)

@@ -64,6 +64,16 @@ def submit(
     return future
 
 
+def check_session_open(state: ServiceState, session_id: str, tenant: str, what: str) -> None:
+    """Models and sampling sessions are created only in a session that is not finished: a finished
+    session's models are unloaded, and nothing in it is kept alive again."""
+    if state.session(session_id, tenant=tenant).status == "finished":
+        raise UserError(
+            f"session {session_id!r} is finished (closed by its client, or silent past the server's "
+            f"session expiry): create {what} in a new session (a new ServiceClient)"
+        )
+
+
 def parse_body(wire: type[W], body: bytes) -> W:
     """A route's raw JSON body as `wire`, for the routes that read their body themselves so that a large one
     is parsed in the thread pool, not on the event loop. A bad body is answered as FastAPI answers one: a

@@ -21,7 +21,7 @@ from inflight.api.checkpoints import not_found_error
 from inflight.api.db import CheckpointRow, SamplingSessionRow
 from inflight.api.futures import RequestType
 from inflight.api.ids import new_sampling_session_id, parse_checkpoint_path
-from inflight.api.routes_common import parse_body, submit
+from inflight.api.routes_common import check_session_open, parse_body, submit
 from inflight.api.schemas import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -41,7 +41,7 @@ def create_sampling_session(
     body: CreateSamplingSessionRequest, state: StateDep, tenant: TenantDep
 ) -> CreateSamplingSessionResponse:
     annotate(session_id=body.session_id)
-    state.session(body.session_id, tenant=tenant)
+    check_session_open(state, body.session_id, tenant, "the sampling session")
     model_path: str | None = None
     if body.model_path is not None:
         model_path = str(parse_checkpoint_path(body.model_path))

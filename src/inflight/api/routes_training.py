@@ -29,7 +29,13 @@ from inflight.api.proto import (
     forward_backward_job,
     parse_forward_backward,
 )
-from inflight.api.routes_common import invalid_body_detail, parse_body, reject_invalid_body, submit
+from inflight.api.routes_common import (
+    check_session_open,
+    invalid_body_detail,
+    parse_body,
+    reject_invalid_body,
+    submit,
+)
 from inflight.api.schemas import (
     CreateModelRequest,
     ForwardBackwardJsonRequest,
@@ -63,7 +69,7 @@ ORDERED_BODY_ROUTES: dict[str, RequestType] = {
 
 @router.post("/create_model")
 def create_model(body: CreateModelRequest, state: StateDep, tenant: TenantDep) -> UntypedAPIFuture:
-    _open_session(state, body.session_id, tenant)
+    check_session_open(state, body.session_id, tenant, "the model")
     state.base_model(body.base_model)
     _check_new_model(state, body.lora_config, body.optimizer_config.type)
     new_id = model_id(body.session_id, body.model_seq_id)
@@ -223,7 +229,7 @@ def load_weights(body: LoadWeightsRequest, state: StateDep, tenant: TenantDep) -
     if body.session_id is not None:
         if body.model_seq_id is None:
             raise UserError("load_weights with session_id also needs model_seq_id")
-        _open_session(state, body.session_id, tenant)
+        check_session_open(state, body.session_id, tenant, "the model")
         source = state.checkpoints.source(body.path, reader=tenant)
         if body.base_model is not None and body.base_model != source.base_model:
             raise UserError(f"{body.path} was trained on {source.base_model!r}, not {body.base_model!r}")
@@ -254,15 +260,6 @@ def load_weights(body: LoadWeightsRequest, state: StateDep, tenant: TenantDep) -
 
     future = submit(state, tenant, body.model_id, body.seq_id, RequestType.LOAD_WEIGHTS, payload, check=check)
     return future_response(future)
-
-
-def _open_session(state: ServiceState, session_id: str, tenant: str) -> None:
-    """A new model needs a session that is not finished: a finished session's models are unloaded."""
-    if state.session(session_id, tenant=tenant).status == "finished":
-        raise UserError(
-            f"session {session_id!r} is finished, and the models of a finished session are unloaded: "
-            "create the model in a new session (a new ServiceClient)"
-        )
 
 
 def _check_new_model(state: ServiceState, lora: LoraConfig, optimizer: str) -> None:
@@ -312,7 +309,14 @@ def _ensure_model_row(
 
 def _check_room_for_a_model(session: Session, limit: int, tenant: str) -> None:
     """Each live model holds an adapter and its optimizer state in memory until its session finishes: a
-    key that kept creating them would exhaust the server's memory under every other tenant."""
+    key that kept creating them would exhaust the server's memory under every other tenant.
+
+    One key's creates take turns: under PostgreSQL's READ COMMITTED, creates at once each counted the
+    others' uncommitted models as absent and all inserted (16 at once against a cap of 4 left 13). The lock
+    is the transaction's, released at its commit; SQLite's BEGIN IMMEDIATE serialises every writer already.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"inflight.models:{tenant}"))))
     live = session.scalar(
         select(func.count())
         .select_from(ModelRow)
