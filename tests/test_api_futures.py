@@ -243,6 +243,36 @@ def test_a_seq_id_far_ahead_is_refused_and_never_recorded(store: FutureStore) ->
     assert store.submit(M, 4, FWD_BWD, b"c", max_seq_ahead=0).seq_id == 4  # a retry is never "ahead"
 
 
+def test_a_key_past_its_queue_limit_gets_failed_futures_and_other_keys_queue_on(store: FutureStore) -> None:
+    sample, limit = RequestType.SAMPLE, 3
+
+    def submit(model_id: str, seq_id: int, tenant: str, request_type: RequestType = sample) -> Future:
+        payload = f"{seq_id}".encode()
+        return store.submit(
+            model_id, seq_id, request_type, payload, tenant=tenant, max_unfinished_of_tenant=limit
+        )
+
+    queued = [submit("s1:sample:0", n, "a") for n in (1, 2, 3)]
+    assert [f.status for f in queued] == ["pending"] * 3
+    over = submit("s1:sample:0", 4, "a")
+    assert over.status == "failed" and over.error_category == "user"
+    assert over.error is not None and "already has 3 requests queued or running" in over.error
+    assert "max_queued_requests_per_tenant=3" in over.error
+    assert submit("s1:sample:0", 1, "a") == queued[0]  # a retry of a queued request is answered as ever
+    assert submit("s2:sample:0", 1, "b").status == "pending"  # another key has its own room
+    running = store.claim([queued[0].request_id])
+    assert submit("s1:sample:0", 5, "a").status == "failed"  # a running request still counts
+    store.complete(running[0].request_id, b"")
+    assert submit("s1:sample:0", 6, "a").status == "pending"  # a finished one frees its place
+    # An ordered request past the limit keeps its seq_id, so the model's queue has no hole.
+    store.complete(store.claim([queued[1].request_id])[0].request_id, b"")
+    assert submit(M, 0, "a", FWD_BWD).status == "pending"
+    assert submit(M, 1, "a", FWD_BWD).status == "failed"
+    store.complete(store.claim([queued[2].request_id])[0].request_id, b"")
+    assert submit(M, 2, "a", FWD_BWD).status == "pending"
+    assert _claim_all(store) == [0, 2]
+
+
 def test_a_claim_says_whether_more_is_queued_behind_its_heads(store: FutureStore) -> None:
     store.submit(M, 0, FWD_BWD, b"a")
     store.submit(M, 1, FWD_BWD, b"b")

@@ -144,6 +144,9 @@ test_a_rejected_request_keeps_its_seq_id = futures_suite.test_a_rejected_request
 test_out_of_order_failures = futures_suite.test_out_of_order_failures_never_let_a_later_seq_id_jump_the_queue
 test_bad_ids_and_seq_ids_give_clear_errors = futures_suite.test_bad_ids_and_seq_ids_give_clear_errors
 test_fail_pending_drains_one_model = futures_suite.test_fail_pending_drains_one_model
+test_a_key_past_its_queue_limit = (
+    futures_suite.test_a_key_past_its_queue_limit_gets_failed_futures_and_other_keys_queue_on
+)
 test_concurrent_submitters_and_an_engine_keep_order = (
     futures_suite.test_concurrent_submitters_and_an_engine_keep_order
 )

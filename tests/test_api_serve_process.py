@@ -112,6 +112,10 @@ def test_a_bad_grace_period_is_refused_by_the_parser(tmp_path: Path) -> None:
         ("--request-body-timeout-s", "0", "expected a number of seconds > 0, got 0"),
         ("--request-body-timeout-s", "inf", "expected a finite number of seconds >= 0, got 'inf'"),
         ("--session-expiry-s", "0", "expected a number of seconds > 0, got 0"),
+        ("--request-header-timeout-s", "0", "expected a number of seconds > 0, got 0"),
+        ("--request-header-timeout-s", "nan", "expected a finite number of seconds >= 0, got 'nan'"),
+        ("--max-checkpoint-gib-per-key", "0", "expected a finite number of GiB > 0, got '0'"),
+        ("--max-checkpoint-gib-per-key", "lots", "expected a number of GiB, got 'lots'"),
     ],
 )
 def test_the_per_key_limits_are_checked_by_the_parser(
@@ -126,8 +130,9 @@ def test_the_per_key_limits_are_checked_by_the_parser(
 def test_the_per_key_limits_reach_the_service(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The limits a QA pass added to ServiceConfig (models per API key, the body's deadline, a silent
-    session's expiry) are the operator's to set: without flags they were fixed for every `inflight serve`."""
+    """The limits a QA pass added to ServiceConfig (models, checkpoint GiB and queued requests per API key,
+    tokens per training request, the body's and the head's deadlines, a silent session's expiry) are the
+    operator's to set: without flags they were fixed for every `inflight serve`."""
     import inflight.api.app
     from inflight.cli import main
 
@@ -135,11 +140,19 @@ def test_the_per_key_limits_reach_the_service(
     monkeypatch.setattr(inflight.api.app, "serve", lambda **kwargs: seen.update(kwargs))
     argv = serve_command(tiny_model_dir, tmp_path / "state", "--port", str(free_port()))[3:]
     limits = ["--max-models-per-key", "3", "--request-body-timeout-s", "7.5", "--session-expiry-s", "30"]
-    keys = ("max_models_per_key", "request_body_timeout_s", "session_expiry_s")
+    limits += ["--request-header-timeout-s", "2.5"]
+    keys = ("max_models_per_key", "request_body_timeout_s", "session_expiry_s", "request_header_timeout_s")
     assert main([*argv, *limits]) == 0
-    assert [seen[key] for key in keys] == [3, 7.5, 30]
+    assert [seen[key] for key in keys] == [3, 7.5, 30, 2.5]
     assert main(argv) == 0
-    assert [seen[key] for key in keys] == [64, 120, 600]
+    assert [seen[key] for key in keys] == [64, 120, 600, 30]
+    assert seen["max_checkpoint_gib_per_key"] == 50
+    assert main([*argv, "--max-checkpoint-gib-per-key", "0.5"]) == 0
+    assert seen["max_checkpoint_gib_per_key"] == 0.5
+    queue_keys = ("max_queued_requests_per_key", "max_tokens_per_train_request")
+    assert [seen[key] for key in queue_keys] == [10_000, 2**20]
+    assert main([*argv, "--max-queued-requests-per-key", "5", "--max-tokens-per-train-request", "4096"]) == 0
+    assert [seen[key] for key in queue_keys] == [5, 4096]
 
 
 def test_help_names_the_operations() -> None:

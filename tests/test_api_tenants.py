@@ -447,6 +447,82 @@ def test_one_tenants_backlog_of_samples_queues_no_other_tenants_sample_behind_it
             b.post("/cancel_future", json={"request_id": request_id})
 
 
+def test_one_key_queues_at_most_its_limit_and_the_rest_fail_naming_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Nothing bounded how much one key queued: every pending sample is looked over by each claim of the
+    worker (100,000 queued made a claim ~200 ms, for every tenant) and stays in the database. Past
+    `max_queued_requests_per_tenant` a request is recorded as failed, naming the limit and the way on; the
+    other key queues and is served as before, and a finished request makes room again."""
+    config = service_config(tmp_path, tiny_model_dir, [KEY_A, KEY_B]).model_copy(
+        update={"max_queued_requests_per_tenant": 3}
+    )
+    worker = WorkerConfig(max_sample_futures_in_flight=1)  # the rest wait pending, counted
+    with (
+        BackgroundServer(create_app(config, worker_config=worker)) as server,
+        http(server, KEY_A) as a,
+        http(server, KEY_B) as b,
+    ):
+
+        def sampler(client: httpx.Client) -> str:
+            session = client.post("/create_session", json={}).json()["session_id"]
+            body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": BASE}
+            return client.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+
+        b_sampler, a_sampler = sampler(b), sampler(a)
+        sent = [b.post("/asample", json=sample_body(b_sampler, seq, 300)) for seq in range(5)]
+        assert all(response.status_code == 200 for response in sent), [r.text for r in sent]
+        backlog, refused = sent[:3], sent[3:]
+        for response in refused:
+            failed = result(b, response.json()["request_id"]).json()
+            assert failed["category"] == "user", failed
+            assert "already has 3 requests queued or running" in failed["error"], failed
+            assert "max_queued_requests_per_tenant=3" in failed["error"], failed
+        mine = a.post("/asample", json=sample_body(a_sampler, 0, 1)).json()["request_id"]
+        assert "json" not in result(a, mine).headers["content-type"]
+        first = backlog[0].json()["request_id"]
+        b.post("/cancel_future", json={"request_id": first})
+        result(b, first)
+        again = b.post("/asample", json=sample_body(b_sampler, 5, 1)).json()["request_id"]
+        store = state_of(server).store
+        assert store.get(again).status != "failed", store.get(again).error
+        for response in backlog[1:]:
+            b.post("/cancel_future", json={"request_id": response.json()["request_id"]})
+
+
+def test_one_training_request_holds_at_most_the_servers_tokens_per_pass(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The worker runs a pass to its end, so one key's forward_backward of a 64 MiB body (millions of
+    tokens) held every other key's training for minutes. A request past `max_tokens_per_train_request`
+    fails naming it, keeps its seq_id (the next request runs), and one within it trains as before."""
+    config = service_config(tmp_path, tiny_model_dir, [KEY_A]).model_copy(
+        update={"max_tokens_per_train_request": 16}
+    )
+    with BackgroundServer(create_app(config)) as server, http(server, KEY_A) as a:
+        session_id = a.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}}
+        created = a.post("/create_model", json=body).json()
+        assert "error" not in result(a, created["request_id"]).json()
+
+        def forward_backward(seq_id: int, tokens: int) -> httpx.Response:
+            datum = {
+                "model_input": {"chunks": [{"type": "encoded_text", "tokens": list(range(5, 5 + tokens))}]},
+                "loss_fn_inputs": {"target_tokens": {"data": list(range(6, 6 + tokens)), "dtype": "int64"}},
+            }
+            request = {"data": [datum, datum], "loss_fn": "cross_entropy"}
+            sent = a.post(
+                "/forward_backward",
+                json={"model_id": created["model_id"], "seq_id": seq_id, "forward_backward_input": request},
+            )
+            return result(a, sent.json()["request_id"])
+
+        refused = forward_backward(1, 9).json()
+        assert refused["category"] == "user", refused
+        assert "holds 18 tokens" in refused["error"] and "max_tokens_per_train_request=16" in refused["error"]
+        assert "json" not in forward_backward(2, 8).headers["content-type"]  # 16 tokens: trained
+
+
 def test_a_tenants_share_of_the_engine_is_by_default_the_rows_it_decodes_together(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

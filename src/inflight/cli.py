@@ -167,8 +167,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         launcher=args.launcher,
         ray_address=args.ray_address,
         max_models_per_key=args.max_models_per_key,
+        max_queued_requests_per_key=args.max_queued_requests_per_key,
+        max_tokens_per_train_request=args.max_tokens_per_train_request,
+        max_checkpoint_gib_per_key=args.max_checkpoint_gib_per_key,
         request_body_timeout_s=args.request_body_timeout_s,
         session_expiry_s=args.session_expiry_s,
+        request_header_timeout_s=args.request_header_timeout_s,
     )
     return 0
 
@@ -200,6 +204,17 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _positive_gib(text: str) -> float:
+    """argparse type: a finite number of GiB, at least a byte."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not 2**-30 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of GiB > 0, got {text!r}")
     return value
 
 
@@ -387,6 +402,34 @@ def build_parser() -> argparse.ArgumentParser:
         "(default %(default)s)",
     )
     serve.add_argument(
+        "--max-queued-requests-per-key",
+        type=_at_least_one,
+        default=10_000,
+        metavar="N",
+        help="requests (training and samples) one API key may have queued or running at once; one more is "
+        "recorded as failed, naming the limit, so that one key's backlog cannot slow every other key's "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-tokens-per-train-request",
+        type=_at_least_one,
+        default=2**20,
+        metavar="N",
+        help="tokens in one forward or forward_backward request; a pass runs to its end while other keys' "
+        "training waits, so a larger request fails, naming the limit (the tinker SDK splits a call into "
+        "requests of at most 5 MB, which stay under the default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-checkpoint-gib-per-key",
+        type=_positive_gib,
+        default=50.0,
+        metavar="GIB",
+        help="disk one API key's unexpired checkpoints may take (their recorded sizes, in GiB, fractions "
+        "allowed); a save beyond it fails naming how to make room (delete checkpoints, save with a TTL), and "
+        "any save that would leave the state dir's disk under 1 GiB free fails too, whatever the key "
+        "(default %(default)g)",
+    )
+    serve.add_argument(
         "--request-body-timeout-s",
         type=_positive_seconds,
         default=120.0,
@@ -394,6 +437,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request's body must arrive whole this long after its headers, else 408 and the connection "
         "closes: a client trickling bodies cannot hold connections open (default %(default)g; a 64 MiB "
         "body then needs ~0.5 MB/s)",
+    )
+    serve.add_argument(
+        "--request-header-timeout-s",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request's head (request line and headers) must arrive whole this long after the connection "
+        "opens, or after the request's first byte on a kept-alive connection, else 408 and the connection "
+        "closes: a client that connects and sends nothing, or trickles headers, cannot hold connections "
+        "open (default %(default)g)",
     )
     serve.add_argument(
         "--session-expiry-s",

@@ -42,6 +42,7 @@ from inflight.api.access_log import REQUEST_LOGGER, AccessLogMiddleware
 from inflight.api.archives import ArchiveLinkError, ArchiveSigner
 from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_listening, scope_tenant
 from inflight.api.checkpoints import CheckpointExpiredError, CheckpointNotFoundError, CheckpointStore
+from inflight.api.connections import header_timeout_protocol
 from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
 from inflight.api.jobs import BaseModelLimits
@@ -113,6 +114,11 @@ def create_app(
     app = FastAPI(title="inflight: Tinker-compatible service", lifespan=lifespan)
     app.state.shutdown = shutdown
     app.state.metrics = metrics
+    # What both runners (`serve`, BackgroundServer) give uvicorn as its protocol: a deadline on each request's
+    # head, which no middleware can set, since middleware runs once the head is parsed.
+    app.state.http_protocol = header_timeout_protocol(
+        config.request_header_timeout_s, on_timeout=metrics.count_header_timeout
+    )
     routers = (routes_session, routes_training, routes_sampling, routes_futures, routes_checkpoints)
     for module in (*routers, routes_archives, routes_metrics):
         app.include_router(module.router)
@@ -165,7 +171,7 @@ def _start(
             sampler = build_sampler(placed.sampling_engines())
         base_models = {name: _base_model_info(placed, name) for name in placed.base_model_names()}
         db = Database(config.database_url)
-        checkpoints = CheckpointStore(db, config.state_dir / "checkpoints")
+        checkpoints = CheckpointStore(db, config.state_dir / "checkpoints", config.checkpoint_limits)
         board = CompletionBoard()
         worker_config = worker_config or WorkerConfig(
             default_max_tokens=config.default_max_tokens,
@@ -347,8 +353,12 @@ def serve(
     launcher: Literal["local", "ray"] = "local",
     ray_address: str | None = None,
     max_models_per_key: int = 64,
+    max_queued_requests_per_key: int = 10_000,
+    max_tokens_per_train_request: int = 2**20,
+    max_checkpoint_gib_per_key: float | None = 50.0,
     request_body_timeout_s: float = 120.0,
     session_expiry_s: float = 600.0,
+    request_header_timeout_s: float = 30.0,
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
@@ -371,8 +381,12 @@ def serve(
         launcher=launcher,
         ray=RayConfig(address=ray_address),
         max_models_per_tenant=max_models_per_key,
+        max_queued_requests_per_tenant=max_queued_requests_per_key,
+        max_tokens_per_train_request=max_tokens_per_train_request,
+        max_checkpoint_bytes_per_key=_gib_bytes(max_checkpoint_gib_per_key),
         request_body_timeout_s=request_body_timeout_s,
         session_expiry_s=session_expiry_s,
+        request_header_timeout_s=request_header_timeout_s,
     )
     for path in base_models.values():  # a missing directory: a path check, answered before torch loads
         check_model_dir(path)
@@ -398,9 +412,15 @@ def serve(
                 make_server=lambda uvicorn_config: GracefulServer(uvicorn_config, app.state.shutdown),
                 log_level="info",
                 access_log=False,
+                http=app.state.http_protocol,
                 # After the drain every future is finished, so the long-polls still open answer at once.
                 timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
             )
+
+
+def _gib_bytes(gib: float | None) -> int | None:
+    """--max-checkpoint-gib-per-key in bytes; None: no quota."""
+    return None if gib is None else round(gib * 2**30)
 
 
 def _log_requests_to_stdout() -> None:
@@ -472,7 +492,13 @@ class BackgroundServer:
         self.port: int = self._socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self._server: uvicorn.Server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+            uvicorn.Config(
+                app,
+                http=app.state.http_protocol,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=5,
+            )
         )
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, name="inflight-uvicorn", daemon=True

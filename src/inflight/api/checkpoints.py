@@ -13,17 +13,24 @@ expiry is looked at, so neither a 410 nor a message confirms another tenant's pa
 Layout: `{root}/{model_id}/{weights|sampler_weights}/{name}/` (the engine's PEFT-style files), with
 `{root}/.staging/` for saves in progress: a save is renamed into place only once complete, so a crash
 never leaves a half-written checkpoint under a real name.
+
+Room (`StorageLimits`): a tenant's unexpired checkpoints, by their recorded size, stay within its quota, and
+a save never leaves the root's disk with less than a floor free (the database and every other tenant's
+saves need it). A save's size is known only once written, so `commit` is the exact check; `check_room`
+refuses earlier, before anything is written, a save that cannot fit whatever its size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from inflight.api.db import CheckpointRow, Database, ModelRow, utcnow
@@ -31,6 +38,11 @@ from inflight.api.ids import CheckpointPath, parse_checkpoint_path
 from inflight.errors import UserError
 
 _FOLDERS = {"state": "weights", "sampler": "sampler_weights"}
+_MAKE_ROOM = (
+    "delete checkpoints (DELETE /api/v1/training_runs/{model_id}/checkpoints/{folder}/{name}, or the SDK's "
+    "RestClient.delete_checkpoint_from_tinker_path; GET /api/v1/checkpoints lists yours) or save with a TTL "
+    "(ttl_seconds)"
+)
 
 
 class CheckpointNotFoundError(UserError, LookupError):
@@ -43,6 +55,20 @@ class CheckpointExpiredError(UserError, LookupError):
 
 class CheckpointExistsError(UserError, ValueError):
     """A save would replace an existing checkpoint without `overwrite`."""
+
+
+class CheckpointQuotaError(UserError):
+    """A save that would take its tenant over its quota, or the server's disk under its floor: the user's
+    to fix (make room), or the operator's (raise the quota, free the disk)."""
+
+
+@dataclass(frozen=True)
+class StorageLimits:
+    """What checkpoints may take of the disk (ServiceConfig's max_checkpoint_bytes_per_key and
+    min_free_disk_bytes say why). The defaults limit nothing."""
+
+    max_bytes_per_tenant: int | None = None  # the recorded size of a tenant's unexpired checkpoints
+    min_free_disk_bytes: int = 0  # left free on the root's filesystem after a save; 0: no floor
 
 
 @dataclass(frozen=True)
@@ -81,6 +107,27 @@ def _live(row: CheckpointRow | None, now: datetime) -> bool:
     return row is not None and (row.expires_at is None or row.expires_at > now)
 
 
+def _unexpired(now: datetime) -> ColumnElement[bool]:
+    """`_live` in SQL."""
+    return or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now)
+
+
+def _bytes_used(session: Session, tenant: str, now: datetime) -> int:
+    used = session.scalar(
+        select(func.coalesce(func.sum(CheckpointRow.size_bytes), 0)).where(
+            CheckpointRow.tenant == tenant, _unexpired(now)
+        )
+    )
+    return int(used or 0)  # PostgreSQL sums a BIGINT as NUMERIC
+
+
+def _size(n_bytes: int) -> str:
+    """For a reader: GiB, or MiB below one (the tiny model's checkpoints), or bytes below that."""
+    if n_bytes >= 2**30:
+        return f"{n_bytes / 2**30:.2f} GiB"
+    return f"{n_bytes / 2**20:.2f} MiB" if n_bytes >= 2**20 else f"{n_bytes:,} bytes"
+
+
 def not_found_error(path: CheckpointPath | str) -> CheckpointNotFoundError:
     """What asking for a checkpoint one may not see answers: the words of one never saved."""
     return CheckpointNotFoundError(f"no checkpoint {path}: it was never saved, or was deleted")
@@ -112,9 +159,10 @@ def _live_row(
 
 
 class CheckpointStore:
-    def __init__(self, db: Database, root: Path) -> None:
+    def __init__(self, db: Database, root: Path, limits: StorageLimits | None = None) -> None:
         self.db = db
         self.root = root
+        self.limits = limits or StorageLimits()
         self._staging_root = root / ".staging"
 
     def discard_staging(self) -> None:
@@ -126,12 +174,80 @@ class CheckpointStore:
         self._staging_root.mkdir(parents=True, exist_ok=True)
         return self._staging_root / uuid.uuid4().hex
 
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """`staging_dir`, removed on the way out: a save that failed or was refused leaves nothing on the
+        disk (one `commit` moved into place is no longer there to remove)."""
+        staged = self.staging_dir()
+        try:
+            yield staged
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+
     def final_dir(self, path: CheckpointPath) -> Path:
         return self.root / path.model_id / _FOLDERS[path.kind] / path.name
 
     def exists(self, path: CheckpointPath) -> bool:
         with self.db.read() as session:
             return _live(session.get(CheckpointRow, str(path)), utcnow())
+
+    def bytes_used(self, tenant: str) -> int:
+        """The recorded size of `tenant`'s unexpired checkpoints: what its quota counts."""
+        with self.db.read() as session:
+            return _bytes_used(session, tenant, utcnow())
+
+    def check_room(self, tenant: str, path: CheckpointPath | None, *, overwrite: bool) -> None:
+        """Refuse (CheckpointQuotaError) a save by `tenant` that cannot fit whatever its size, before it is
+        written: its tenant at or over its quota, counting the checkpoint an `overwrite` of `path` replaces
+        as freed, or the disk under its floor already. `commit` checks again, exactly."""
+        quota, floor = self.limits.max_bytes_per_tenant, self.limits.min_free_disk_bytes
+        if quota is not None:
+            now = utcnow()
+            with self.db.read() as session:
+                used = _bytes_used(session, tenant, now)
+                replaced = session.get(CheckpointRow, str(path)) if path is not None and overwrite else None
+                freed = (replaced.size_bytes or 0) if replaced is not None and _live(replaced, now) else 0
+            if used - freed >= quota:
+                raise CheckpointQuotaError(
+                    f"no room for checkpoint {path or '(unnamed)'}: this API key's checkpoints take "
+                    f"{_size(used)} of its {_size(quota)} quota; {_MAKE_ROOM}, or ask the operator to raise "
+                    "--max-checkpoint-gib-per-key"
+                )
+        if floor > 0 and (free := self._free_disk_bytes()) < floor:
+            raise CheckpointQuotaError(
+                f"no room for checkpoint {path or '(unnamed)'}: the server's disk has {_size(free)} free, "
+                f"under the {_size(floor)} it keeps free for its database and every key's saves; "
+                f"{_MAKE_ROOM}, or ask the operator to free space on the server's disk"
+            )
+
+    def _refuse_unless_room(
+        self, session: Session, path: CheckpointPath, tenant: str, size_bytes: int, freed_bytes: int
+    ) -> None:
+        """`check_room` once the save is written (`size_bytes`, on the disk already) and would replace a
+        live checkpoint of `freed_bytes`."""
+        quota, floor = self.limits.max_bytes_per_tenant, self.limits.min_free_disk_bytes
+        if quota is not None:
+            used = _bytes_used(session, tenant, utcnow())
+            after = used - freed_bytes + size_bytes
+            if after > quota:
+                raise CheckpointQuotaError(
+                    f"checkpoint {path} ({_size(size_bytes)}) would take this API key's checkpoints to "
+                    f"{_size(after)}, over its {_size(quota)} quota ({_size(used)} used); {_MAKE_ROOM}, or "
+                    "ask the operator to raise --max-checkpoint-gib-per-key"
+                )
+        if floor > 0 and (free := self._free_disk_bytes() + freed_bytes) < floor:
+            raise CheckpointQuotaError(
+                f"checkpoint {path} ({_size(size_bytes)}) would leave the server's disk {_size(free)} free, "
+                f"under the {_size(floor)} it keeps free for its database and every key's saves; "
+                f"{_MAKE_ROOM}, or ask the operator to free space on the server's disk"
+            )
+
+    def _free_disk_bytes(self) -> int:
+        """Free on the root's filesystem (its nearest existing parent's, before the first save)."""
+        where = self.root
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        return shutil.disk_usage(where).free
 
     def commit(
         self,
@@ -145,7 +261,8 @@ class CheckpointStore:
     ) -> StoredCheckpoint:
         """Move a finished save into place and record it, owned by `tenant` (its model's); the row is
         written last, so a crash in between leaves only a directory without a row, which the next save of
-        that name replaces."""
+        that name replaces. Refused, its staged files removed, if it does not fit (`limits`): checked in
+        the write transaction, so two saves cannot both take the last room."""
         final = self.final_dir(path)
         now = utcnow()
         with self.db.write() as session:
@@ -155,6 +272,12 @@ class CheckpointStore:
                 raise CheckpointExistsError(
                     f"checkpoint {path} already exists; save under another name or pass overwrite=True"
                 )
+            freed = (row.size_bytes or 0) if row is not None and _live(row, now) else 0
+            try:
+                self._refuse_unless_room(session, path, tenant, size_bytes, freed)
+            except CheckpointQuotaError:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
             if final.exists():
                 shutil.rmtree(final)
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -205,11 +328,7 @@ class CheckpointStore:
     def list_all(self, *, tenant: str, limit: int, offset: int) -> tuple[int, list[StoredCheckpoint]]:
         """Every unexpired checkpoint of `tenant`'s runs (not others' published ones: a listing is what
         one owns), newest first, one page; and how many there are."""
-        now = utcnow()
-        live = and_(
-            CheckpointRow.tenant == tenant,
-            or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > now),
-        )
+        live = and_(CheckpointRow.tenant == tenant, _unexpired(utcnow()))
         with self.db.read() as session:
             total = session.scalar(select(func.count()).select_from(CheckpointRow).where(live)) or 0
             rows = session.scalars(

@@ -165,13 +165,19 @@ class FutureStore:
         max_seq_ahead: int | None = None,
         on_inserted: Callable[[Future], None] | None = None,
         tenant: str = "",
+        max_unfinished_of_tenant: int | None = None,
     ) -> Future:
         """Queue a request, committed before this returns (a restart keeps it). The same (model_id, seq_id)
         with the same type and payload returns the original future (SDK retries); with a different one it
         raises SeqIdConflictError. With `max_seq_ahead`, a new seq_id more than that far above the model's
         highest is refused (UserError), checked in the same transaction. `on_inserted` gets a newly
         inserted future before the commit, so before any engine can claim and finish it. `tenant`: the
-        submitter's (the caller has checked that `model_id` is theirs), recorded with the row."""
+        submitter's (the caller has checked that `model_id` is theirs), recorded with the row.
+
+        With `max_unfinished_of_tenant`, a new request while `tenant` already has that many pending or
+        running is recorded as failed (category user; `reject`'s row, so its seq_id leaves no hole) with a
+        message naming the limit. The count is the transaction's: on PostgreSQL, submitters at once may
+        pass it together, by at most their number."""
         return self._insert(
             model_id,
             seq_id,
@@ -181,6 +187,7 @@ class FutureStore:
             max_seq_ahead=max_seq_ahead,
             on_inserted=on_inserted,
             tenant=tenant,
+            max_unfinished_of_tenant=max_unfinished_of_tenant,
         )
 
     def reject(
@@ -393,6 +400,7 @@ class FutureStore:
         max_seq_ahead: int | None,
         on_inserted: Callable[[Future], None] | None,
         tenant: str,
+        max_unfinished_of_tenant: int | None = None,
     ) -> Future:
         if seq_id is None and request_type.ordered:
             raise ValueError(f"{request_type} futures need a seq_id: they execute in seq_id order")
@@ -409,6 +417,8 @@ class FutureStore:
                     return _same_request(existing, request_type, digest)
                 if max_seq_ahead is not None and seq_id is not None:
                     _check_seq_window(connection, model_id, seq_id, max_seq_ahead)
+                if failure is None and max_unfinished_of_tenant is not None:
+                    failure = _tenant_queue_full(connection, tenant, max_unfinished_of_tenant)
                 now = utcnow()
                 row = connection.execute(
                     _INSERT,
@@ -427,7 +437,7 @@ class FutureStore:
                     },
                 ).one()  # raises IntegrityError on a concurrent duplicate
                 future = _to_future(row)
-                if on_inserted is not None:
+                if on_inserted is not None and failure is None:
                     on_inserted(future)
                 return future
         except IntegrityError:
@@ -542,6 +552,19 @@ def _mark_running(connection: Connection, request_ids: Sequence[int]) -> list[Fu
     return [claimed[request_id] for request_id in request_ids if request_id in claimed]
 
 
+def _tenant_queue_full(connection: Connection, tenant: str, limit: int) -> str | None:
+    """Why `tenant` may queue nothing more now, or None. Queued samples and training requests cost every
+    tenant: the worker's claim looks over all that is pending, and the database grows with it."""
+    unfinished = connection.scalar(_UNFINISHED_OF_TENANT, {"tenant": tenant}) or 0
+    if unfinished < limit:
+        return None
+    return (
+        f"this API key already has {unfinished} requests queued or running, the most this server queues "
+        f"for one key (max_queued_requests_per_tenant={limit}): wait for some to finish (retrieve_future) "
+        "before submitting more, then submit this one again"
+    )
+
+
 def _check_seq_window(connection: Connection, model_id: str, seq_id: int, max_ahead: int) -> None:
     highest = connection.scalar(_MAX_SEQ_ID, {"model_id": model_id})
     if seq_id > (highest or 0) + max_ahead:
@@ -624,6 +647,10 @@ _PENDING_BY_TENANT = (
     .order_by(_PENDING_RANKED.c.request_id)
 )
 _ROW = select(_FUTURES).where(_FUTURES.c.request_id == bindparam("request_id"))
+# Led by status, so ix_futures_status_model bounds the scan to what is unfinished, whoever's it is.
+_UNFINISHED_OF_TENANT = select(func.count()).where(
+    _FUTURES.c.status.in_(("pending", "running")), _FUTURES.c.tenant == bindparam("tenant")
+)
 _FIND = select(_FUTURES).where(
     _FUTURES.c.model_id == bindparam("model_id"), _FUTURES.c.seq_id == bindparam("seq_id")
 )

@@ -11,6 +11,7 @@ Exposed (the `# HELP` lines say the same):
   inflight_futures{request_type,state}                           gauge, every future in the database
   inflight_worker_events_total{event}                            counter, the worker's counts (/server_stats)
   inflight_shutting_down                                         gauge, 1 while the shutdown drains
+  inflight_http_header_timeouts_total                            counter, connections closed for a late head
 Knows nothing of HTTP beyond the names it is given; the database is only read, at scrape time.
 """
 
@@ -101,6 +102,13 @@ class ServiceMetrics:
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind=kind)  # present at 0 before the first request
         self.rates = {kind: RateWindow(rate_window_s) for kind in TOKEN_KINDS}
+        # Counted apart: such a connection never carried a request, so the request histogram never sees it.
+        self.header_timeouts = Counter(
+            "inflight_http_header_timeouts",
+            "Connections closed with a 408 because no whole request head (request line and headers) "
+            "arrived within --request-header-timeout-s",
+            registry=self.registry,
+        )
         self._sources: _Sources | None = None
         self.registry.register(self)  # `collect` below: what is read at scrape time
 
@@ -125,6 +133,9 @@ class ServiceMetrics:
         if amount > 0:
             self.tokens.labels(kind=kind).inc(amount)
             self.rates[kind].add(amount)
+
+    def count_header_timeout(self) -> None:
+        self.header_timeouts.inc()
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition the scraper asked for (Prometheus text by default, OpenMetrics on request)."""

@@ -58,6 +58,7 @@ def submit(
             max_seq_ahead=max_seq_ahead,
             on_inserted=state.board.accepted,
             tenant=tenant,
+            max_unfinished_of_tenant=state.config.max_queued_requests_per_tenant,
         )
         state.wake(request_type, future)
     annotate_future(future)

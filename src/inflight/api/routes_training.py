@@ -53,6 +53,7 @@ from inflight.api.schemas import (
 )
 from inflight.api.service import ServiceState, StateDep, TenantDep
 from inflight.errors import UserError
+from inflight.trainer.types import ForwardBackwardJob
 
 router = APIRouter(prefix="/api/v1")
 LIVE_MODEL_STATES = ("creating", "ready")  # ModelRow.status of a model whose adapter is (to be) in memory
@@ -160,16 +161,24 @@ def _submit_pass(state: ServiceState, tenant: str, body: bytes) -> UntypedAPIFut
     header = forward_backward_header(message)
     limits = state.base_model(state.model_base(header.model_id, tenant=tenant)).limits
     request_type = RequestType.FORWARD if header.forward_only else RequestType.FORWARD_BACKWARD
-    future = submit(
-        state,
-        tenant,
-        header.model_id,
-        header.seq_id,
-        request_type,
-        body,
-        check=lambda: forward_backward_job(message, vocab_size=limits.vocab_size),
-    )
+
+    def check() -> None:
+        job = forward_backward_job(message, vocab_size=limits.vocab_size)
+        _check_tokens_per_request(job, state.config.max_tokens_per_train_request)
+
+    future = submit(state, tenant, header.model_id, header.seq_id, request_type, body, check=check)
     return future_response(future)
+
+
+def _check_tokens_per_request(job: ForwardBackwardJob, limit: int) -> None:
+    """A pass runs to its end while other keys' training waits: one request may hold only so much."""
+    tokens = sum(len(datum.input_tokens) for datum in job.data)
+    if tokens > limit:
+        raise UserError(
+            f"this request holds {tokens} tokens, more than this server runs in one pass "
+            f"(max_tokens_per_train_request={limit}): send its datums in several requests (the tinker "
+            "SDK splits a large call by itself; gradients add up until optim_step)"
+        )
 
 
 @router.post("/optim_step")
@@ -194,8 +203,9 @@ def save_weights(body: SaveWeightsRequest, state: StateDep, tenant: TenantDep) -
     payload = body.model_dump_json().encode()
 
     def check() -> None:
-        if body.path is not None:
-            checkpoint_path(body.model_id, "state", body.path)
+        named = None if body.path is None else checkpoint_path(body.model_id, "state", body.path)
+        # A key out of room learns it now; the worker checks again, exactly, once the size is known.
+        state.checkpoints.check_room(tenant, named, overwrite=body.overwrite)
 
     future = submit(state, tenant, body.model_id, body.seq_id, RequestType.SAVE_WEIGHTS, payload, check=check)
     return future_response(future)
@@ -209,8 +219,9 @@ def save_weights_for_sampler(
     payload = body.model_dump_json().encode()
 
     def check() -> None:
-        if body.path is not None:
-            checkpoint_path(body.model_id, "sampler", body.path)
+        if body.path is not None:  # a named save writes files; a sampling session's snapshot stays in memory
+            named = checkpoint_path(body.model_id, "sampler", body.path)
+            state.checkpoints.check_room(tenant, named, overwrite=False)
         elif body.sampling_session_seq_id is None:
             raise UserError("save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
 

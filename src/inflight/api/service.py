@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inflight.api.archives import ArchiveSigner
 from inflight.api.auth import TinkerApiKeys, scope_tenant
-from inflight.api.checkpoints import CheckpointStore
+from inflight.api.checkpoints import CheckpointStore, StorageLimits
 from inflight.api.db import Database, ModelRow, SessionRow
 from inflight.api.futures import Future, FutureStore, RequestType
 from inflight.api.jobs import BaseModelLimits
@@ -50,10 +50,35 @@ class ServiceConfig(BaseModel):
     # From a request's headers to the end of its body (408 past it): 64 MiB needs ~0.5 MB/s. Without it
     # a key holder trickling bodies would hold connections open for good.
     request_body_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
+    # From a connection's start (or a later request's first byte) to the end of a request's head: request
+    # line and headers (408 past it; api/connections.py). uvicorn bounds no head, so a client that connects
+    # and sends nothing, or trickles headers, would hold a connection and a file descriptor for good.
+    request_header_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     max_lora_rank: int = Field(default=64, ge=1)
     # Models (adapters and their optimizer state, in memory until their session finishes) one API key may
     # have loaded at once; a create_model beyond it is refused, naming how to free one.
     max_models_per_tenant: int = Field(default=64, ge=1)
+    # The recorded size of one API key's unexpired checkpoints; a save past it fails (category user), naming
+    # how to make room. Without it one key could fill the disk, and then every other key's saves and the
+    # SQLite futures database on it fail. 50 GiB holds ~50 saves of a rank-32 adapter of an 8B model with
+    # its AdamW moments (~1 GB each: a run's periodic saves), while a few dozen keys fit a multi-TB disk.
+    # None: no quota (a single tenant, a disk watched otherwise); min_free_disk_bytes still holds. 0 is
+    # refused, not read as "none" or as "unlimited": either reading would surprise half of its readers.
+    max_checkpoint_bytes_per_key: int | None = Field(default=50 * 2**30, ge=1)
+    # Free bytes a save must leave on the state dir's filesystem, whatever each key's quota: the database
+    # needs room to commit, and many keys each within their quota can still fill a disk. Checked once a
+    # save is written (its size is known only then), so keep it above the largest checkpoint. 0: no floor.
+    min_free_disk_bytes: int = Field(default=2**30, ge=0)
+    # Requests (training and samples) one API key may have pending or running at once; one more is
+    # recorded as failed, naming the limit. The worker's claim looks over every pending sample, so one key
+    # queueing 100,000 made each claim ~200 ms for all. A cookbook RL step queues one per group (~100).
+    max_queued_requests_per_tenant: int = Field(default=10_000, ge=1)
+    # Tokens in one forward or forward_backward request. The worker runs a pass to its end, so the largest
+    # request bounds how long another key's training waits behind it. The tinker SDK splits a call into
+    # requests of at most 5 MB by its estimate, which counts >= 8 bytes a token (the input's 4, and the
+    # targets' 4 as int32, 8 as the SDK's int64): at most 625,000 tokens, under this default, so an SDK
+    # call is never refused; a raw body of 64 MiB could hold millions.
+    max_tokens_per_train_request: int = Field(default=2**20, ge=1)
     # A session with no heartbeat and no request this long (its client died without closing it) is finished
     # and its models unloaded (WorkerConfig.session_expiry_s); the SDK heartbeats every 10 s.
     session_expiry_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
@@ -93,6 +118,10 @@ class ServiceConfig(BaseModel):
         from inflight.api.db import sqlite_url
 
         return self.db_url or sqlite_url(self.state_dir / "service.db")
+
+    @property
+    def checkpoint_limits(self) -> StorageLimits:
+        return StorageLimits(self.max_checkpoint_bytes_per_key, self.min_free_disk_bytes)
 
 
 @dataclass(frozen=True)

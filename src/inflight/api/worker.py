@@ -576,14 +576,21 @@ class EngineWorker:
             raise UserError(
                 f"checkpoint {path} already exists; save under another name or pass overwrite=True"
             )
-        staged = self.checkpoints.staging_dir()
-        if kind == "state":
-            size = self.compute.save_state(future.model_id, staged, include_optimizer=True)
-        else:
-            size = self.compute.save_sampler_weights(future.model_id, staged)
-        self.checkpoints.commit(
-            path, staged, size_bytes=size, ttl_seconds=ttl_seconds, overwrite=overwrite, tenant=future.tenant
-        )
+        # Again here, not only at the route: the saves queued before this one may have taken the room.
+        self.checkpoints.check_room(future.tenant, path, overwrite=overwrite)
+        with self.checkpoints.staging() as staged:
+            if kind == "state":
+                size = self.compute.save_state(future.model_id, staged, include_optimizer=True)
+            else:
+                size = self.compute.save_sampler_weights(future.model_id, staged)
+            self.checkpoints.commit(
+                path,
+                staged,
+                size_bytes=size,
+                ttl_seconds=ttl_seconds,
+                overwrite=overwrite,
+                tenant=future.tenant,
+            )
         return str(path)
 
     # -- batched passes and samples -------------------------------------------------------------------
