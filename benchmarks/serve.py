@@ -21,7 +21,9 @@ which no server can remove. --api-server picks the server: `thread` (default) is
 this process, so the SDK's threads share its interpreter; `process` is `inflight serve` in its own
 process, as users run it (no floor then). --queue-history N times the worker's claim of a model's next
 request on a fresh futures queue and after N earlier requests of that model (`claim_ms_fresh`,
-`claim_ms_after_history`): the per-request cost must not grow over a long session.
+`claim_ms_after_history`): the per-request cost must not grow over a long session; and its look for the
+samples to claim with one pending, then behind another tenant's N pending (`sample_look_ms_fresh`,
+`sample_look_ms_behind_backlog`): one tenant's backlog must not slow every claim.
 Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64 --dtype auto]` (default model: the tiny
 preset, built locally; dtype as `inflight serve --dtype`, reported in the JSON).
 """
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
         type=at_least(0),
         default=0,
         help="also time the futures queue's claim (SQLite) after this many earlier requests of one model "
-        "against a fresh queue: claim_ms_fresh, claim_ms_after_history (0 = skip)",
+        "against a fresh queue, and the look for samples behind another tenant's N pending: claim_ms_fresh, "
+        "claim_ms_after_history, sample_look_ms_fresh, sample_look_ms_behind_backlog (0 = skip)",
     )
     parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
     args = parser.parse_args(argv)
@@ -230,7 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
 def measure_queue_claims(history: int, samples: int = 50) -> dict[str, Any]:
     """Median ms of the worker's claim of a model's next request (`FutureStore.claim_ready`, SQLite in a
     temporary directory) on a fresh queue, then after `history` requests of that model were submitted,
-    claimed and completed: a claim should not grow with a model's history."""
+    claimed and completed: a claim should not grow with a model's history. Then the worker's look for
+    samples to claim (`pending_unordered_by_tenant`, each tenant's oldest 256) with one pending sample,
+    and with `history` more of another tenant pending: it should not grow with one tenant's backlog."""
     from inflight.api.db import Database
     from inflight.api.futures import FIRST_SEQ_ID, FutureStore, RequestType
 
@@ -255,11 +260,28 @@ def measure_queue_claims(history: int, samples: int = 50) -> dict[str, Any]:
         later: list[float] = []
         for _ in range(samples):
             one(later)
+
+        def look(timed: list[float]) -> None:
+            start = time.perf_counter()
+            store.pending_unordered_by_tenant(RequestType.SAMPLE, per_tenant=256)
+            timed.append(1000 * (time.perf_counter() - start))
+
+        store.submit("b:sample", FIRST_SEQ_ID, RequestType.SAMPLE, b"sample", tenant="b")
+        alone: list[float] = []
+        for _ in range(samples):
+            look(alone)
+        for seq_id in range(FIRST_SEQ_ID, FIRST_SEQ_ID + history):  # another tenant's backlog
+            store.submit("a:sample", seq_id, RequestType.SAMPLE, b"sample", tenant="a")
+        behind: list[float] = []
+        for _ in range(samples):
+            look(behind)
         database.close()
     return {
         "queue_history": history,
         "claim_ms_fresh": round(statistics.median(fresh), 3),
         "claim_ms_after_history": round(statistics.median(later), 3),
+        "sample_look_ms_fresh": round(statistics.median(alone), 3),
+        "sample_look_ms_behind_backlog": round(statistics.median(behind), 3),
     }
 
 

@@ -55,3 +55,11 @@ def test_the_api_part_against_inflight_serve_in_its_own_process(
     assert "api_error" not in result, result["api_error"]
     assert result["api_server"] == "process" and result["api_ms_per_request"] > 0
     assert "api_floor_ms" not in result  # the stub sits in front of an app in this process only
+
+
+def test_the_queue_part_reports_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    bench = importlib.import_module("benchmarks.serve")
+    result = bench.measure_queue_claims(20, samples=3)
+    keys = ["claim_ms_fresh", "claim_ms_after_history", "sample_look_ms_fresh", "sample_look_ms_behind_backlog"]
+    assert result["queue_history"] == 20 and all(result[key] > 0 for key in keys), result

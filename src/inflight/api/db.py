@@ -135,6 +135,8 @@ class FutureRow(Base):
     __table_args__ = (
         UniqueConstraint("model_id", "seq_id", name="uq_futures_model_seq"),
         Index("ix_futures_status_model", "status", "model_id"),
+        # Each tenant's pending samples, oldest first, a seek each (FutureStore.pending_unordered_by_tenant).
+        Index("ix_futures_pending_tenant", "status", "request_type", "tenant", "request_id"),
         # AUTOINCREMENT: SQLite must never hand out a request_id again, or an old poll gets a new result.
         {"sqlite_autoincrement": True},
     )
