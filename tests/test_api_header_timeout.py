@@ -1,4 +1,4 @@
-"""A request's head has a deadline (`--request-header-timeout-s`, api/connections.py), and only its head.
+"""A request's head has a deadline (`--request-header-timeout-s`, connections.py), and only its head.
 
 Reference: Slowloris, and uvicorn issue #157 (its "--timeout-request-start" never built): uvicorn bounds no
 head, so a client that connected and sent nothing, or trickled its headers a byte at a time, held its

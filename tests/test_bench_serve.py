@@ -61,5 +61,10 @@ def test_the_queue_part_reports_every_key(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.syspath_prepend(str(REPO_ROOT))
     bench = importlib.import_module("benchmarks.serve")
     result = bench.measure_queue_claims(20, samples=3)
-    keys = ["claim_ms_fresh", "claim_ms_after_history", "sample_look_ms_fresh", "sample_look_ms_behind_backlog"]
+    keys = [
+        "claim_ms_fresh",
+        "claim_ms_after_history",
+        "sample_look_ms_fresh",
+        "sample_look_ms_behind_backlog",
+    ]
     assert result["queue_history"] == 20 and all(result[key] > 0 for key in keys), result

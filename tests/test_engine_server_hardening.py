@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -309,3 +312,130 @@ def test_serve_engine_with_a_parent_pid_that_is_not_its_parent_says_what_the_fla
     line = one_line_error(capsys, *argv)
     assert f"--parent-pid {not_the_parent} is not this process's parent ({os.getppid()})" in line, line
     assert "its own live pid" in line and "or drop --parent-pid" in line, line
+
+
+# -- what the hostile-input pass found ---------------------------------------------------------------------
+
+
+def test_paths_the_filesystem_cannot_look_up_are_a_400_and_outside_weights_dir_a_403_before_any_lookup(
+    tiny_model_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    """A name too long, a link loop and an unknown ~user were 500s with a traceback (Path.resolve raised).
+    Outside weights_dir a path is refused as written, before resolve() reads the filesystem for it: a link
+    loop out there used to answer differently (a 500) from any other path (a 403)."""
+    weights_dir, outside = tmp_path / "weights", tmp_path / "outside"
+    weights_dir.mkdir()
+    outside.mkdir()
+    for directory in (weights_dir, outside):
+        (directory / "loop").symlink_to(directory / "loop")
+    long_name = "x" * 300  # NAME_MAX is 255
+    confined = [
+        ("/update_weights", {"path": str(weights_dir / long_name), "version": 1}, 400, "cannot be looked up"),
+        ("/update_weights", {"path": str(weights_dir / "loop"), "version": 1}, 400, "cannot be looked up"),
+        ("/set_adapter", {"name": "a", "path": str(weights_dir / long_name), "version": 1}, 400, "looked up"),
+        ("/update_weights", {"path": str(outside / "loop"), "version": 1}, 403, "outside"),
+        (
+            "/update_weights",
+            {"path": str(weights_dir / ".." / "outside" / "loop"), "version": 1},
+            403,
+            "outside",
+        ),
+        ("/set_adapter", {"name": "a", "path": "~no-such-user-here/adapter", "version": 1}, 400, "looked up"),
+    ]
+    anywhere = [
+        ("/update_weights", {"path": str(outside / "loop"), "version": 1}, 400, "cannot be looked up"),
+        ("/set_adapter", {"name": "a", "path": "~no-such-user-here/adapter", "version": 1}, 400, "looked up"),
+    ]
+    for config, cases in (({"weights_dir": str(weights_dir)}, confined), ({}, anywhere)):
+        with (
+            serving(tiny_model_dir, tokenizer, **config) as url,
+            httpx.Client(base_url=url, timeout=60) as http,
+        ):
+            for path, body, status, needle in cases:
+                reply = http.post(path, json=body)
+                assert reply.status_code == status and needle in reply.json()["error"]["message"], (
+                    body,
+                    reply.text,
+                )
+            assert_still_serving(http)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_from_its_beginning(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    """A text prompt was tokenized whole on the event loop before the engine refused it: a 20 MB one held
+    every client's answers, /health's included, for 17 s. Now at most a few contexts' worth of it is."""
+    text = "hello world " * 400_000  # 4.8 MB: ~4 s to tokenize whole on the test machine
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    with serving(tiny_model_dir, tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for path, body, field in [
+            ("/v1/completions", {"prompt": text, "max_tokens": 1}, "prompt"),
+            ("/v1/completions", {"prompt": ["hi", text], "max_tokens": 1}, "prompt"),
+            ("/v1/chat/completions", chat, "messages"),
+        ]:
+            reply = http.post(path, json=body)
+            message = reply.json()["error"]["message"]
+            assert (
+                reply.status_code == 400 and f"{field} is longer than this server's context of 64" in message
+            )
+            assert "characters alone are" in message, message
+        fits = http.post("/v1/completions", json={"prompt": "hello world " * 4, "max_tokens": 1})
+        assert fits.status_code == 200, fits.text
+        assert_still_serving(http)
+
+
+def test_the_handlers_tokenize_on_their_own_thread(tiny_model_dir: Path) -> None:
+    """Off the event loop, and one thread only (a fast tokenizer object is not meant to be shared)."""
+    seen: set[str] = set()
+    handler_tokenizer = load_tokenizer(tiny_model_dir)
+    for name in ("encode", "decode", "apply_chat_template"):
+        original = getattr(handler_tokenizer, name)
+
+        def recorded(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            seen.add(threading.current_thread().name)
+            return _original(*args, **kwargs)
+
+        setattr(handler_tokenizer, name, recorded)
+    with serving(tiny_model_dir, handler_tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        seen.clear()  # create_app reads the template's end of turn, on the caller's thread
+        completion = http.post(
+            "/v1/completions", json={"prompt": ["hi", "there"], "max_tokens": 2, "logprobs": 1}
+        )
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+        assert (
+            completion.status_code == 200 and http.post("/v1/chat/completions", json=chat).status_code == 200
+        )
+    assert seen and all(name.startswith("tokenizer") for name in seen), seen
+
+
+def test_one_request_asks_for_at_most_4096_sequences(tiny_model_dir: Path, tokenizer: Any) -> None:
+    """5,000 prompts x n=64 queued 320,000 sequences from one request (/generate_batch takes 4,096)."""
+    with serving(tiny_model_dir, tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        reply = http.post("/v1/completions", json={"prompt": [[5]] * 65, "n": 64, "max_tokens": 1})
+        assert reply.status_code == 400, reply.text
+        assert (
+            "65 prompts x n=64 ask for 4160 sequences, more than the 4096" in reply.json()["error"]["message"]
+        )
+        assert (
+            http.post("/v1/completions", json={"prompt": [[5]] * 64, "n": 64, "max_tokens": 1}).status_code
+            == 200
+        )
+        assert_still_serving(http)
+
+
+def test_a_client_that_leaves_costs_the_log_no_traceback(
+    tiny_model_dir: Path, tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each client that left mid-generation used to cost asyncio's "_GatheringFuture exception was never
+    retrieved" and a CancelledError in the server's log."""
+    batch = {"requests": [{"prompt_token_ids": [5], "max_tokens": CONTEXT - 2, "stop_token_ids": []}] * 256}
+    with serving(tiny_model_dir, tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for _ in range(2):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/generate_batch", json=batch, timeout=0.5)
+            deadline = time.monotonic() + 30
+            while http.get("/health").json()["num_running"] and time.monotonic() < deadline:
+                time.sleep(0.05)  # the server aborted them once it saw the client gone
+        assert_still_serving(http)
+    gc.collect()  # asyncio logs a never-retrieved exception when its future is collected
+    assert "never retrieved" not in caplog.text, caplog.text

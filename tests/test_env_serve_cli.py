@@ -14,6 +14,7 @@ whose checks these mirror.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -216,3 +217,26 @@ def test_a_client_that_leaves_without_openenvs_close_message_costs_no_traceback(
     with connect(ws_url, open_timeout=10, additional_headers=headers) as ws:  # still serving
         ws.send('{"type": "reset", "data": {"seed": 2}}')
         assert '"observation"' in str(ws.recv(timeout=10))
+
+
+def test_no_input_quoted_back_makes_an_answer_fail(keyed_url: str) -> None:
+    """A 422 quoting an input that holds NaN or an infinity (`1e999` parses as one), or an answer whose
+    message holds a lone surrogate ("\\ud800" in the input's JSON), failed as it was written: a 500 and a
+    traceback in the server's log. Now such an input is quoted as its text, and surrogates escaped."""
+    headers = {"X-API-Key": KEY, "content-type": "application/json"}
+    cases = [
+        ("/reset", '{"seed": NaN}', "NaN"),
+        ("/reset", '{"seed": 1e999}', "Infinity"),
+        ("/reset", '{"seed": 1, "cards": [Infinity]}', "Infinity"),
+        ("/reset", '{"seed": 1, "cards": "\\ud800"}', "\\ud800"),
+        ("/reset", '{"episode_id": "\\ud800"}', "\\ud800"),
+        ("/step", '{"action": {"text": "hit"}, "timeout_s": NaN}', "NaN"),
+    ]
+    with httpx.Client(base_url=keyed_url, trust_env=False, headers=headers, timeout=60) as http:
+        for path, body, quoted in cases:
+            answer = http.post(path, content=body)
+            assert answer.status_code == 422 and answer.content.isascii(), (body, answer.text)
+            strict = json.loads(answer.text, parse_constant=lambda word: pytest.fail(f"{word} is not JSON"))
+            [error] = strict["detail"]
+            assert quoted in json.dumps(error["input"]), (body, error)
+        assert http.post("/reset", json={"seed": 1}).status_code == 200

@@ -218,6 +218,17 @@ def _positive_gib(text: str) -> float:
     return value
 
 
+def _positive_mib(text: str) -> float:
+    """argparse type: a finite number of MiB, at least 1 KiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    if not 2**-10 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of MiB >= 1/1024, got {text!r}")
+    return value
+
+
 def _cmd_serve_engine(args: argparse.Namespace) -> int:
     from inflight.inference.access import check_engine_listening, engine_api_keys
     from inflight.preflight import check_port
@@ -265,6 +276,9 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
         weights_dir=args.weights_dir,
         parent_pid=args.parent_pid,
         api_keys=api_keys,
+        request_header_timeout_s=args.request_header_timeout_s,
+        request_body_timeout_s=args.request_body_timeout_s,
+        max_body_bytes=int(args.max_body_mib * 2**20),
         **{name: value for name, value in given.items() if value is not None},
     )
     return 0
@@ -284,7 +298,12 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
         args.name,
         host=args.host,
         port=args.port,
-        config=OpenEnvServerConfig(max_sessions=args.max_sessions, api_keys=api_keys),
+        config=OpenEnvServerConfig(
+            max_sessions=args.max_sessions,
+            api_keys=api_keys,
+            request_header_timeout_s=args.request_header_timeout_s,
+            request_body_timeout_s=args.request_body_timeout_s,
+        ),
     )
     return 0
 
@@ -295,6 +314,29 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     print(plot_run(args.run_dir, check_output_file(args.out, "--out") if args.out else None))
     return 0
+
+
+def _add_timeout_options(parser: argparse.ArgumentParser, body_default_s: float, body_note: str) -> None:
+    """--request-header-timeout-s and --request-body-timeout-s, as `serve` has them, for the engine and env
+    servers."""
+    parser.add_argument(
+        "--request-header-timeout-s",
+        type=_positive_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request's head (request line and headers) must arrive whole this long after the connection "
+        "opens, or after the request's first byte on a kept-alive connection, else 408 and the connection "
+        "closes: a client that connects and sends nothing, or trickles headers, cannot hold connections "
+        "open (default %(default)g)",
+    )
+    parser.add_argument(
+        "--request-body-timeout-s",
+        type=_positive_seconds,
+        default=body_default_s,
+        metavar="SECONDS",
+        help="a request's body must arrive whole this long after its headers, else 408 and the connection "
+        f"closes: a client trickling bodies cannot hold connections open (default %(default)g; {body_note})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -562,6 +604,16 @@ def build_parser() -> argparse.ArgumentParser:
         "this directory (default: any file this process can read; required beyond loopback)",
     )
     serve_engine.add_argument(
+        "--max-body-mib",
+        type=_positive_mib,
+        default=256.0,
+        metavar="MIB",
+        help="the largest JSON body a request may send, in MiB (413 past it, before it is parsed): room for "
+        "a /generate_batch of 4096 requests with 8192-token prompts (default %(default)g; weight and adapter "
+        "bodies may take 16 GiB)",
+    )
+    _add_timeout_options(serve_engine, body_default_s=600.0, body_note="16 GiB of weights then need ~28 MB/s")
+    serve_engine.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -600,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="concurrent /ws episodes (a run needs prompts x group size)",
     )
+    _add_timeout_options(env_serve, body_default_s=30.0, body_note="bodies are at most 1 MiB")
     env_serve.set_defaults(func=_cmd_env_serve)
 
     model = sub.add_parser("model", help="build models")

@@ -42,7 +42,6 @@ from inflight.api.access_log import REQUEST_LOGGER, AccessLogMiddleware
 from inflight.api.archives import ArchiveLinkError, ArchiveSigner
 from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_listening, scope_tenant
 from inflight.api.checkpoints import CheckpointExpiredError, CheckpointNotFoundError, CheckpointStore
-from inflight.api.connections import header_timeout_protocol
 from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
 from inflight.api.jobs import BaseModelLimits
@@ -53,6 +52,7 @@ from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, 
 from inflight.api.shutdown import GracefulServer, RefuseNewWorkMiddleware, ServiceShutdown
 from inflight.api.worker import EngineWorker, WorkerConfig
 from inflight.config import RayConfig
+from inflight.connections import header_timeout_protocol
 from inflight.errors import UserError
 from inflight.preflight import bind_port, check_database, check_model_dir, check_port, ensure_dir, serve_on
 from inflight.types import DtypeName

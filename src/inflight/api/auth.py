@@ -254,7 +254,9 @@ class BodySizeLimitMiddleware:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                body = b"".join(chunks)
+                chunks.clear()  # else held beside the joined copy until the answer: twice a body's memory
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)

@@ -51,8 +51,8 @@ class ServiceConfig(BaseModel):
     # a key holder trickling bodies would hold connections open for good.
     request_body_timeout_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
     # From a connection's start (or a later request's first byte) to the end of a request's head: request
-    # line and headers (408 past it; api/connections.py). uvicorn bounds no head, so a client that connects
-    # and sends nothing, or trickles headers, would hold a connection and a file descriptor for good.
+    # line and headers (408 past it; inflight/connections.py). uvicorn bounds no head, so a client that
+    # connects and sends nothing, or trickles headers, would hold a connection and a file descriptor.
     request_header_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     max_lora_rank: int = Field(default=64, ge=1)
     # Models (adapters and their optimizer state, in memory until their session finishes) one API key may

@@ -21,11 +21,14 @@ them. Our Action/Observation models mirror OpenEnv's (same `metadata`, `done`, `
 - HTTP error answers: another `UserError` is a 400, a step with no episode a 409, and an exception
   from the env a JSON 500 naming it (the server logs its traceback), instead of a bare "Internal
   Server Error" on a closed connection. Over /ws such an exception is EXECUTION_ERROR, as before. A
-  422 quotes at most the first characters of a rejected input, never all of it;
+  422 quotes at most the first characters of a rejected input, never all of it, and these answers are
+  ASCII JSON, so that no input they quote (a lone surrogate, a NaN) makes one fail;
 - who may connect: with API keys (`--api-key`, else $INFLIGHT_ENV_API_KEY) every route but /health,
   the /ws handshake included, needs one as X-API-Key (`api/auth.py`'s check, as `inflight serve` uses
   it); without one the server listens on loopback only (`check_env_listening`). Request bodies are
-  bounded (`max_body_bytes`: 413 past it), since HTTP /reset and /step parse theirs whole;
+  bounded (`max_body_bytes`: 413 past it), since HTTP /reset and /step parse theirs whole, and a
+  request's head and its body must each arrive in time (`request_header_timeout_s`,
+  `request_body_timeout_s`: 408 past them);
 - a /ws client that leaves without OpenEnv's close message ends its session quietly
   (`QuietDisconnects`), not with uvicorn's traceback.
 Cost: importing openenv-core's server takes ~6 s (it pulls in Gradio and fastmcp), once per server.
@@ -42,6 +45,7 @@ from typing import TYPE_CHECKING, Any, cast, get_args, get_origin
 
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticCustomError
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect
 
@@ -53,6 +57,7 @@ from inflight.api.auth import (
     is_loopback,
     keys_from,
 )
+from inflight.connections import header_timeout_protocol
 from inflight.envs import ENVS, make_env
 from inflight.envs.base import Action, Environment, Observation, State, step_timeout
 from inflight.envs.openenv_client import API_KEY_ENV
@@ -76,6 +81,13 @@ class OpenEnvServerConfig(BaseModel):
     api_keys: list[str] = Field(default_factory=list, repr=False)
     # An HTTP request body past this is refused (413) before it is parsed: /reset and /step read small JSON.
     max_body_bytes: int = Field(default=2**20, ge=1)
+    # From a request's head to the end of its body (408 past it): uvicorn waits for a body forever, so a
+    # client trickling one held its connection for good.
+    request_body_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # From a connection's start (or a later request's first byte) to the end of a request's head, the /ws
+    # handshake's included (408 past it; `inflight.connections`): a client that connected and sent nothing
+    # held a connection and a file descriptor for good.
+    request_header_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
 
 
 class QuietDisconnects:
@@ -156,7 +168,6 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
     from fastapi import Request
     from fastapi.encoders import jsonable_encoder
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
     from openenv.core.env_server.http_server import create_fastapi_app
     from openenv.core.env_server.types import ConcurrencyConfig
 
@@ -173,7 +184,11 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
         new_session_env, cast(Any, action_cls), cast(Any, observation_cls), concurrency_config=sessions
     )
     app.title = f"inflight env {name} (OpenEnv protocol)"
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    # `serve` gives uvicorn this protocol: a deadline on each request's head (middleware cannot set one).
+    app.state.http_protocol = header_timeout_protocol(config.request_header_timeout_s)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_bytes=config.max_body_bytes, body_timeout_s=config.request_body_timeout_s
+    )
     app.add_middleware(QuietDisconnects)
     if config.api_keys:  # added last, so it runs first: no body of a request without a key is read
         keys = check_api_keys(config.api_keys)
@@ -182,17 +197,17 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
     # These only shape HTTP answers; /ws errors are already typed messages from openenv-core.
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
         errors = cast(ValidationError | RequestValidationError, exc).errors()
-        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(_clipped(errors))})
+        return AsciiJSONResponse(status_code=422, content={"detail": jsonable_encoder(_clipped(errors))})
 
     async def user_error(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(status_code=400, content={"detail": str(exc)})
+        return AsciiJSONResponse(status_code=400, content={"detail": str(exc)})
 
     async def no_episode(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(status_code=409, content={"detail": str(exc)})
+        return AsciiJSONResponse(status_code=409, content={"detail": str(exc)})
 
     async def env_error(request: Request, exc: Exception) -> JSONResponse:
         detail = str(exc) if isinstance(exc, EnvRaised) else f"{type(exc).__name__}: {exc}"
-        return JSONResponse(status_code=500, content={"detail": detail})
+        return AsciiJSONResponse(status_code=500, content={"detail": detail})
 
     app.add_exception_handler(ValidationError, invalid)
     app.add_exception_handler(RequestValidationError, invalid)  # FastAPI's own echoes the whole input
@@ -239,7 +254,7 @@ def serve(
         bound = sock.getsockname()[1]
         url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
         print(f"inflight: serving env {name!r} with OpenEnv's protocol at {url} (/ws sessions)", flush=True)
-        serve_on(sock, app, host, bound, log_level="warning")
+        serve_on(sock, app, host, bound, log_level="warning", http=app.state.http_protocol)
 
 
 def _raised(name: str, method: str, error: Exception) -> EnvRaised:
@@ -248,17 +263,38 @@ def _raised(name: str, method: str, error: Exception) -> EnvRaised:
     return EnvRaised(f"{type(error).__name__}: {error}")
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every character past ASCII escaped: a lone surrogate an input smuggled in as "\\ud800",
+    quoted back in a 422 or in a UserError's message, has no UTF-8 form and failed the answer (a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
 def _clipped(errors: Sequence[Any]) -> list[Any]:
     """pydantic's error list with each rejected input quoted up to INPUT_QUOTED_CHARS characters (as
-    JSON): a 422 names what was wrong without sending a large body back."""
+    JSON): a 422 names what was wrong without sending a large body back. An input holding a number JSON
+    cannot carry (NaN, or an infinity: `1e999` parses as one) is quoted as its text, which failed the
+    answer (a 500) when sent as a number."""
     clipped = []
     for error in errors:
         if isinstance(error, dict) and "input" in error:
             quoted = json.dumps(error["input"], default=str)
             if len(quoted) > INPUT_QUOTED_CHARS:
                 error = {**error, "input": f"{quoted[:INPUT_QUOTED_CHARS]}... ({len(quoted)} characters)"}
+            elif not _finite(error["input"]):
+                error = {**error, "input": quoted}
         clipped.append(error)
     return clipped
+
+
+def _finite(value: Any) -> bool:
+    """Whether every number in `value` is one JSON can carry."""
+    try:
+        json.dumps(value, default=str, allow_nan=False)
+    except ValueError:
+        return False
+    return True
 
 
 def _invalid_reset(error: UserError, kwargs: dict[str, Any]) -> ValidationError:

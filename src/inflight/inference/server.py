@@ -22,6 +22,8 @@ runs on them. Routes (bodies in `wire.py` and `openai_api.py`):
 
 With API keys (`access.py`: `--api-key` or $INFLIGHT_ENGINE_API_KEY, required beyond loopback) every route
 but /health answers 401 without one, in X-API-Key (or as a bearer token on the OpenAI routes and /metrics).
+Every request's head and body have a deadline and a size bound (`inflight.connections`, 408/431; the body's
+in `BodySizeLimitMiddleware`, 408/413), and the handlers tokenize on a thread of their own, never the loop.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -48,7 +51,8 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 
-from inflight.api.auth import ApiKeys
+from inflight.api.auth import ApiKeys, BodySizeLimitMiddleware
+from inflight.connections import header_timeout_protocol
 from inflight.errors import UserError
 from inflight.inference.access import check_engine_listening, require_api_key
 from inflight.inference.adapter_files import read_adapter_dir
@@ -66,6 +70,7 @@ from inflight.inference.openai_api import (
 )
 from inflight.inference.weight_broadcast import BroadcastListener
 from inflight.inference.wire import (
+    MAX_BATCH_REQUESTS,
     VERSION_HEADER,
     AdaptersResponse,
     GenerateBatchRequest,
@@ -89,6 +94,9 @@ from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdat
 from inflight.weight_sync.torch_dist import TorchDistSyncConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# The routes whose body is a safetensors file (`max_update_bytes`), not JSON (`max_body_bytes`).
+RAW_BODY_PATHS = frozenset({"/update_weights_raw", "/set_adapter_raw"})
 # On a signal, once the engine loop is stopped: how long uvicorn waits for the connections still open.
 _CONNECTIONS_CLOSE_S = 5
 
@@ -103,6 +111,17 @@ class EngineServerConfig(BaseModel):
     # aborted, so their cache rows go back to the batch.
     disconnect_poll_s: float = Field(default=0.5, gt=0)
     max_update_bytes: int = Field(default=16 * 2**30, ge=1)  # /update_weights_raw and /set_adapter_raw
+    # Every other route's body, refused (413) before it is parsed, announced or streamed: FastAPI parses a
+    # JSON body whole, and a 100 MB one used to be read and parsed. Room for a /generate_batch of 4,096
+    # requests with 8,192-token prompts (~6 bytes a token).
+    max_body_bytes: int = Field(default=256 * 2**20, ge=1024)
+    # From a request's head to the end of its body (408 past it): uvicorn waits for a body forever, so a
+    # client trickling one held its connection for good. 16 GiB of weights then need ~28 MB/s.
+    request_body_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    # From a connection's start (or a later request's first byte) to the end of a request's head (408 past
+    # it; `inflight.connections`): uvicorn bounds no head, so a client that connected and sent nothing held
+    # a connection and a file descriptor for good.
+    request_header_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
     # When set, /update_weights and /set_adapter only read files under this directory.
     weights_dir: str | None = None
     # Accepted X-API-Key values; empty: every route open (serve() refuses that beyond loopback).
@@ -144,6 +163,10 @@ class _EngineService:
         self._adapters: dict[str, int] = {}
         self._adapter_lock = threading.Lock()
         self.broadcast = BroadcastListener(self._install_broadcast)
+        # The handlers' tokenizer work (prompts, chat templates, token texts) runs on this one thread: off
+        # the event loop, which a 20 MB prompt held for 17 s (no answer to anyone, /health included), and
+        # never on two threads at once, which a fast tokenizer object is not meant for.
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         # Unless a request says ignore_eos, completions stop at the model's EOS ids (its generation
         # config's, else the tokenizer's EOS), and chat also at the token its template ends a turn with
         # (Llama 3's <|eot_id|>, ChatML's <|im_end|>). A tokenizer without a template gets ChatML, the
@@ -214,6 +237,9 @@ class _EngineService:
         finally:
             if not waiter.done():
                 waiter.cancel()
+                # Cancelled, the gather ends with CancelledError as its exception, which asyncio logged as
+                # "exception was never retrieved" (3 lines) for every client that left: read, it is not.
+                waiter.add_done_callback(_retrieve_exception)
                 for request in requests:
                     self.engine.abort(request.request_id)
 
@@ -239,12 +265,41 @@ class _EngineService:
                 "first, or leave adapter unset for the base model",
             )
 
+    async def tokenizing(self, work: Callable[[], T]) -> T:
+        """`work` (anything that uses the tokenizer) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, work)
+
+    def check_count(self, prompts: int, n: int) -> None:
+        """At most MAX_BATCH_REQUESTS sequences per request, as /generate_batch: 5,000 prompts x n=64 used
+        to queue 320,000 sequences from one request."""
+        if prompts * n > MAX_BATCH_REQUESTS:
+            raise ValueError(
+                f"{prompts} prompts x n={n} ask for {prompts * n} sequences, more than the "
+                f"{MAX_BATCH_REQUESTS} one request may: send the prompts in several requests"
+            )
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this server has no tokenizer: send prompts as token ids")
-            return list(self.tokenizer.encode(_unicode(prompt, "prompt")))
+            return self._encode(_unicode(prompt, "prompt"), "prompt")
         return prompt
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids, for at most a few contexts' worth of tokenizing: a text whose beginning alone
+        holds twice the context (the cut can change only the tokens next to it) is refused from that
+        beginning, not tokenized whole. Any other prompt too long is the engine's to refuse, as before."""
+        context = self.engine.config.max_seq_len_tokens
+        chars = 16 * context  # ~4 contexts of ordinary text: one probe, or none for a prompt that fits
+        while chars < len(text):
+            tokens = len(self.tokenizer.encode(text[:chars], add_special_tokens=add_special_tokens))
+            if tokens > 2 * context:
+                raise ValueError(
+                    f"{field} is longer than this server's context of {context} tokens: its first {chars} "
+                    f"characters alone are {tokens} tokens; shorten it"
+                )
+            chars *= 2
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_room(self, prompt: list[int], max_tokens: int, field: str = "max_tokens") -> None:
         """vLLM's rule for the OpenAI routes: prompt + max_tokens within the context, else 400 (not a
@@ -265,7 +320,7 @@ class _EngineService:
             text = render(self.tokenizer, messages, request.add_generation_prompt, self.chat_template)
         except Exception as exc:  # jinja's own errors, e.g. a template that insists on role order
             raise ValueError(f"the chat template rejected the messages: {exc}") from exc
-        return list(self.tokenizer.encode(_unicode(text, "messages"), add_special_tokens=False))
+        return self._encode(_unicode(text, "messages"), "messages", add_special_tokens=False)
 
     # -- weights -------------------------------------------------------------------------------------
     def _install_broadcast(self, update: WeightUpdate) -> None:
@@ -320,14 +375,28 @@ class _EngineService:
         )
 
     def resolve_weights_path(self, path_text: str, directory: bool = False) -> Path:
-        """A file (or, for adapters, a directory) under weights_dir when that is set; 4xx otherwise."""
-        path = Path(path_text).expanduser().resolve()
+        """A file (or, for adapters, a directory) under weights_dir when that is set; 4xx otherwise. A path
+        outside it is refused as written, before anything on disk is looked at, and again once its links
+        are followed; one the filesystem cannot look up (a name too long, a link loop, an unknown ~user) is
+        a 400, as a missing one is."""
         root = self.config.weights_dir
-        if root is not None and not path.is_relative_to(Path(root).expanduser().resolve()):
-            raise HTTPError(403, f"{path_text!r} is outside this server's weights_dir {root!r}")
-        if directory and not path.is_dir():
+        outside = HTTPError(403, f"{path_text!r} is outside this server's weights_dir {root!r}")
+        try:
+            written = Path(os.path.abspath(Path(path_text).expanduser()))  # ".." folded, no link followed
+            if root is not None:
+                named_root = Path(os.path.abspath(Path(root).expanduser()))
+                real_root = named_root.resolve()  # weights_dir may itself be a link
+                if not (written.is_relative_to(named_root) or written.is_relative_to(real_root)):
+                    raise outside
+            path = written.resolve()
+            if root is not None and not path.is_relative_to(real_root):
+                raise outside
+            found = path.is_dir() if directory else path.is_file()
+        except (OSError, RuntimeError) as exc:  # Python 3.11 raises RuntimeError for a link loop, ~nobody
+            raise ValueError(f"{path_text!r} cannot be looked up: {exc}") from None
+        if not found and directory:
             raise ValueError(f"adapter directory {path_text!r} does not exist or is not a directory")
-        if not directory and not path.is_file():
+        if not found:
             raise ValueError(f"weights file {path_text!r} does not exist or is not a file")
         return path
 
@@ -395,6 +464,11 @@ class _EngineService:
         )
 
 
+def _retrieve_exception(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _unicode(text: str, field: str) -> str:
     """`text`, which a tokenizer can encode: JSON may escape a lone UTF-16 surrogate ("\\ud800"), which is no
     character and no tokenizer takes (a TypeError deep in it, otherwise)."""
@@ -419,10 +493,8 @@ def _load_safetensors_file(path: Path) -> dict[str, Any]:
     return load_file(str(path))
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise HTTPError(413, f"body of {size} bytes exceeds max_update_bytes={limit}")
+async def _read_body(request: Request) -> bytes:
+    """The safetensors body, within max_update_bytes (`BodySizeLimitMiddleware`: announced or streamed)."""
     body = await request.body()
     if not body:
         raise ValueError("the body must be a safetensors file; it is empty")
@@ -451,10 +523,21 @@ def create_app(
         finally:
             await asyncio.to_thread(service.broadcast.close)
             await asyncio.to_thread(service.loop.stop)
+            service.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="inflight engine", lifespan=lifespan)
     app.state.service = service
-    require_api_key(app, service.config.api_keys)
+    # What both runners (`serve`, ServerThread) give uvicorn as its protocol: a deadline on each request's
+    # head, which no middleware can set.
+    app.state.http_protocol = header_timeout_protocol(service.config.request_header_timeout_s)
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_bytes=service.config.max_update_bytes,
+        small_max_bytes=service.config.max_body_bytes,
+        large_paths=RAW_BODY_PATHS,
+        body_timeout_s=service.config.request_body_timeout_s,
+    )
+    require_api_key(app, service.config.api_keys)  # added last, so it runs first: no keyless body is read
     _add_error_handlers(app, service)
     _add_openai_routes(app, service)
     _add_engine_routes(app, service)
@@ -529,7 +612,9 @@ def _add_openai_routes(app: FastAPI, service: _EngineService) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
         adapter = service.check_model(body.model)
-        prompts = [service.encode_prompt(p) for p in body.prompts()]
+        texts = body.prompts()
+        service.check_count(len(texts), body.n)
+        prompts = await service.tokenizing(lambda: [service.encode_prompt(p) for p in texts])
         for ids in prompts:
             service.check_room(ids, body.max_tokens)
         requests = [
@@ -538,16 +623,17 @@ def _add_openai_routes(app: FastAPI, service: _EngineService) -> None:
             for i in range(body.n)
         ]
         done = await service.run(request, requests)
+        choices = await service.tokenizing(
+            lambda: [completion_choice(j, c, body.logprobs, service.tokenizer) for j, c in enumerate(done)]
+        )
         return CompletionResponse(
-            model=adapter or service.config.model_name,
-            choices=[completion_choice(j, c, body.logprobs, service.tokenizer) for j, c in enumerate(done)],
-            usage=Usage.of(done),
+            model=adapter or service.config.model_name, choices=choices, usage=Usage.of(done)
         )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse:
         adapter = service.check_model(body.model)
-        prompt = service.render_chat(body)
+        prompt = await service.tokenizing(lambda: service.render_chat(body))
         room = service.engine.config.max_seq_len_tokens - len(prompt)
         max_tokens = body.max_new_tokens or max(room, 1)
         service.check_room(
@@ -558,9 +644,12 @@ def _add_openai_routes(app: FastAPI, service: _EngineService) -> None:
             for i in range(body.n)
         ]
         done = await service.run(request, requests)
+        choices = await service.tokenizing(
+            lambda: [chat_choice(j, c, body, service.tokenizer) for j, c in enumerate(done)]
+        )
         return ChatCompletionResponse(
             model=adapter or service.config.model_name,
-            choices=[chat_choice(j, c, body, service.tokenizer) for j, c in enumerate(done)],
+            choices=choices,
             usage=Usage.of(done),
             prompt_token_ids=prompt,
         )
@@ -622,7 +711,7 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
         if header is None or not header.strip().isdigit():
             raise ValueError(f"header {VERSION_HEADER} must carry the weight version (an integer >= 0)")
         start = time.perf_counter()
-        body = await _read_body(request, service.config.max_update_bytes)
+        body = await _read_body(request)
         try:
             state_dict = await asyncio.to_thread(_load_safetensors_bytes, body)
         except SafetensorError as exc:
@@ -661,7 +750,7 @@ def _add_engine_routes(app: FastAPI, service: _EngineService) -> None:
         except ValidationError as exc:  # reported like a bad body: field, then what is wrong
             raise RequestValidationError(exc.errors()) from exc
         start = time.perf_counter()
-        body = await _read_body(request, service.config.max_update_bytes)
+        body = await _read_body(request)
         try:
             tensors = await asyncio.to_thread(_load_safetensors_bytes, body)
         except SafetensorError as exc:
@@ -692,6 +781,9 @@ def serve(
     weights_dir: str | None = None,
     parent_pid: int | None = None,
     api_keys: Sequence[str] = (),
+    request_header_timeout_s: float = 30.0,
+    request_body_timeout_s: float = 600.0,
+    max_body_bytes: int = 256 * 2**20,
 ) -> None:
     """Load `model` (a directory or hub id) into an engine of `backend` and serve it until interrupted.
     "vllm" needs the environment `launch/vllm_env.py` builds (vLLM's CPU build pins its own torch and
@@ -700,8 +792,10 @@ def serve(
     `max_lora_rank` and `max_logprobs` vLLM's. With `weights_dir`, weight and adapter updates by path read
     only files under it; with `parent_pid`, the server stops when that process (its parent: a launcher)
     is gone, so that a crashed run leaves no engine holding its memory. With `api_keys`, every route but
-    /health needs one; beyond loopback a key and `weights_dir` are required (`access.py`). SIGTERM/SIGINT
-    stop it within seconds: the generations in flight are stopped and answered 503 (`_StoppingServer`)."""
+    /health needs one; beyond loopback a key and `weights_dir` are required (`access.py`). A request's head
+    must be whole within `request_header_timeout_s` and its body within `request_body_timeout_s` of it (408
+    past either), and a JSON body at most `max_body_bytes` (413). SIGTERM/SIGINT stop it within seconds:
+    the generations in flight are stopped and answered 503 (`_StoppingServer`)."""
     from inflight.preflight import bind_port, check_model_dir, serve_on
 
     check_engine_listening(host, api_keys, weights_dir)
@@ -728,7 +822,14 @@ def serve(
         )
         from inflight.models import load_tokenizer
 
-        config = EngineServerConfig(model_name=model, weights_dir=weights_dir, api_keys=list(api_keys))
+        config = EngineServerConfig(
+            model_name=model,
+            weights_dir=weights_dir,
+            api_keys=list(api_keys),
+            request_header_timeout_s=request_header_timeout_s,
+            request_body_timeout_s=request_body_timeout_s,
+            max_body_bytes=max_body_bytes,
+        )
         app = create_app(engine, load_tokenizer(model), config, stop_ids)
         # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
         serve_on(
@@ -739,6 +840,7 @@ def serve(
             make_server=lambda uvicorn_config: _StoppingServer(uvicorn_config, app.state.service),
             log_level=log_level,
             access_log=False,
+            http=app.state.http_protocol,
             # A bound on what stopping the engine loop does not end (a body still arriving, say).
             timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
         )
@@ -801,9 +903,10 @@ def stop_with_parent(parent_pid: int, poll_s: float = 0.5, grace_s: float = 10.0
 
 
 class ServerThread:
-    """`app` served by uvicorn from a thread of this process, on a socket bound before it starts (port 0:
-    a free one): the engine's HTTP face inside a process that has other work, e.g. the tests that hold it to
-    the Engine contract. `stop()` ends it, and the app's lifespan stops its engine loop."""
+    """`app` (from `create_app`) served by uvicorn from a thread of this process, on a socket bound before it
+    starts (port 0: a free one), with its head deadline: the engine's HTTP face inside a process that has
+    other work, e.g. a Ray replica or the tests that hold it to the Engine contract. `stop()` ends it, and
+    the app's lifespan stops its engine loop."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
@@ -813,7 +916,14 @@ class ServerThread:
         self._socket = bind_port(host, port)
         self.port = int(self._socket.getsockname()[1])
         self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=self.port,
+            http=app.state.http_protocol,
+            log_level="warning",
+            access_log=False,
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, name=f"http-{self.port}", daemon=True

@@ -1,11 +1,14 @@
-"""The service's HTTP connections: uvicorn's httptools protocol with a deadline on every request's head.
+"""The HTTP connections of inflight's servers (`serve`, `serve-engine`, `env serve`): uvicorn's httptools
+protocol with a deadline and a size bound on every request's head.
 
 uvicorn bounds no request head: `timeout_keep_alive` runs only between requests and any byte cancels it, so
 a client that connects and sends nothing, or trickles a head a byte at a time, holds its connection and a
 file descriptor for good, and enough of them lock everyone else out (Slowloris; uvicorn issue #157 asked for
-a `--timeout-request-start`, which 0.54 still lacks). Middleware cannot help: it runs once the head is
-parsed, which is where the body's deadline lives (`auth.BodySizeLimitMiddleware`). Knows nothing of the app
-or its routes.
+a `--timeout-request-start`, which 0.54 still lacks). Nor does it bound a head's size: httptools gathers a
+header's value by concatenation, so one endless header both grows the process and stalls its event loop
+(145 MB in 20 s held `/health` for up to 7 s). Middleware cannot help: it runs once the head is parsed,
+which is where the body's deadline lives (`auth.BodySizeLimitMiddleware`). Knows nothing of the apps or
+their routes.
 """
 
 from __future__ import annotations
@@ -18,14 +21,18 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
+# A request head (request line and headers) larger than this gets a 431. Ample for what inflight's clients,
+# the tinker SDK and the openai client send (well under 4 KiB); nginx takes 8 KiB a line, Node 16 KiB a head.
+MAX_HEAD_BYTES = 64 * 1024
+
 
 def header_timeout_protocol(
     timeout_s: float, on_timeout: Callable[[], None] = lambda: None
 ) -> type[HeaderTimeoutProtocol]:
     """uvicorn's `http=`: HeaderTimeoutProtocol with a deadline of `timeout_s`, calling `on_timeout` (a
-    metrics counter) for each connection it closes. uvicorn builds each connection's protocol itself, from
-    its config alone (`http_protocol_class(config=..., server_state=..., app_state=..., _loop=...)`), so
-    the values travel on a subclass."""
+    metrics counter) for each connection it closes for a late head. uvicorn builds each connection's
+    protocol itself, from its config alone (`http_protocol_class(config=..., server_state=..., app_state=...,
+    _loop=...)`), so the values travel on a subclass."""
 
     class BoundHeaderTimeoutProtocol(HeaderTimeoutProtocol):
         header_timeout_s = timeout_s
@@ -39,10 +46,13 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
     `header_timeout_s` after it was due: from the connection's start for the first request, and from the
     first byte after an answer for each later one (before that byte, uvicorn's keep-alive timeout bounds
     the idle connection). A request whose head is whole is never cut off here: its body has the body
-    timeout, and its answer (a long-poll, a slow route) takes what it takes."""
+    timeout, and its answer (a long-poll, a slow route) takes what it takes. A head still unfinished past
+    `MAX_HEAD_BYTES` gets a 431 and a closed connection the same way."""
 
-    header_timeout_s: float  # set by header_timeout_protocol, from ServiceConfig.request_header_timeout_s
+    header_timeout_s: float  # set by header_timeout_protocol, from the server's --request-header-timeout-s
     _head_deadline: asyncio.TimerHandle | None = None  # armed while a head is due
+    _head_bytes = 0  # received since the head was due: its own, and at most one read's worth beyond it
+    _in_body = False  # the parser is past a head, in its body: what arrives then is no head's
 
     @staticmethod
     def timed_out() -> None:
@@ -59,7 +69,27 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             # that any byte cancels would let "\r\n" every few seconds hold the connection. So does the
             # rest of a body the app answered before reading (a 413).
             self._arm()
+        if self._head_deadline is not None and not self._in_body:
+            self._head_bytes += len(data)
         super().data_received(data)
+        # Checked once the parser has the bytes: a head that ended in them was disarmed, however large
+        # the read (a body may follow it in the same one).
+        if self._head_deadline is None or self._head_bytes <= MAX_HEAD_BYTES:
+            return
+        if self._answering():
+            # Pipelined behind an answer, which a 431 now would land in: nothing more is read till it is sent.
+            self.flow.pause_reading()
+            return
+        self._disarm()
+        log.warning(
+            "closed the connection from %s with a 431: a request head over %d bytes",
+            self._who(),
+            MAX_HEAD_BYTES,
+        )
+        self._send_and_close(
+            b"431 Request Header Fields Too Large",
+            f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes: send a shorter one",
+        )
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -67,7 +97,12 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._in_body = True
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -83,6 +118,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         # Never re-armed while pending: the deadline runs from when the head was first due, not its last byte.
         if self._head_deadline is None:
             self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_overdue)
+            self._head_bytes = 0
 
     def _disarm(self) -> None:
         if self._head_deadline is not None:
@@ -99,22 +135,25 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self._arm()
             return
         self.timed_out()
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         log.warning(
             "closed the connection from %s with a 408: no whole request head within %g s "
             "(--request-header-timeout-s)",
-            client,
+            self._who(),
             self.header_timeout_s,
         )
-        self._send_408()
-
-    def _send_408(self) -> None:
-        """A plain-text 408 that ends the connection, written as uvicorn writes its own 400."""
-        body = (
+        self._send_and_close(
+            b"408 Request Timeout",
             f"no whole request head (request line and headers) arrived within {self.header_timeout_s:g} s "
-            "(inflight serve --request-header-timeout-s): send it whole, without pauses\n"
-        ).encode()
-        content = [b"HTTP/1.1 408 Request Timeout\r\n"]
+            "(the server's --request-header-timeout-s): send it whole, without pauses",
+        )
+
+    def _who(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+
+    def _send_and_close(self, status: bytes, message: str) -> None:
+        """A plain-text answer that ends the connection, written as uvicorn writes its own 400."""
+        body = f"{message}\n".encode()
+        content = [b"HTTP/1.1 " + status + b"\r\n"]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
         content.extend(
