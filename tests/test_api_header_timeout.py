@@ -103,7 +103,7 @@ def post_request(route: str, body: bytes, content_length: int | None = None) -> 
 
 def header_timeouts(http: httpx.Client) -> float:
     metrics = http.get("/metrics").text
-    found = re.search(r"(?m)^inflight_http_header_timeouts_total (\S+)$", metrics)
+    found = re.search(r'(?m)^inflight_http_connections_closed_total\{reason="head_timeout"\} (\S+)$', metrics)
     assert found is not None, metrics
     return float(found.group(1))
 

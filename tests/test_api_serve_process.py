@@ -131,8 +131,8 @@ def test_the_per_key_limits_reach_the_service(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The limits a QA pass added to ServiceConfig (models, checkpoint GiB and queued requests per API key,
-    tokens per training request, the body's and the head's deadlines, a silent session's expiry) are the
-    operator's to set: without flags they were fixed for every `inflight serve`."""
+    tokens per training request, the head's, the body's and the answer's deadlines, a silent session's
+    expiry) are the operator's to set: without flags they were fixed for every `inflight serve`."""
     import inflight.api.app
     from inflight.cli import main
 
@@ -153,6 +153,9 @@ def test_the_per_key_limits_reach_the_service(
     assert [seen[key] for key in queue_keys] == [10_000, 2**20]
     assert main([*argv, "--max-queued-requests-per-key", "5", "--max-tokens-per-train-request", "4096"]) == 0
     assert [seen[key] for key in queue_keys] == [5, 4096]
+    assert seen["send_timeout_s"] == 60
+    assert main([*argv, "--send-timeout-s", "9"]) == 0
+    assert seen["send_timeout_s"] == 9
 
 
 def test_help_names_the_operations() -> None:

@@ -173,6 +173,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         request_body_timeout_s=args.request_body_timeout_s,
         session_expiry_s=args.session_expiry_s,
         request_header_timeout_s=args.request_header_timeout_s,
+        send_timeout_s=args.send_timeout_s,
     )
     return 0
 
@@ -489,6 +490,15 @@ def build_parser() -> argparse.ArgumentParser:
         "opens, or after the request's first byte on a kept-alive connection, else 408 and the connection "
         "closes: a client that connects and sends nothing, or trickles headers, cannot hold connections "
         "open (default %(default)g)",
+    )
+    serve.add_argument(
+        "--send-timeout-s",
+        type=_positive_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="an answer its client reads none of for this long (an archive download nobody reads) is "
+        "abandoned and the connection closed; a client that reads, however slowly, is never cut off "
+        "(default %(default)g)",
     )
     serve.add_argument(
         "--session-expiry-s",

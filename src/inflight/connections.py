@@ -1,5 +1,5 @@
 """The HTTP connections of inflight's servers (`serve`, `serve-engine`, `env serve`): uvicorn's httptools
-protocol with a deadline and a size bound on every request's head.
+protocol with a deadline and a size bound on every request's head, and a deadline on a stalled answer.
 
 uvicorn bounds no request head: `timeout_keep_alive` runs only between requests and any byte cancels it, so
 a client that connects and sends nothing, or trickles a head a byte at a time, holds its connection and a
@@ -7,8 +7,10 @@ file descriptor for good, and enough of them lock everyone else out (Slowloris; 
 a `--timeout-request-start`, which 0.54 still lacks). Nor does it bound a head's size: httptools gathers a
 header's value by concatenation, so one endless header both grows the process and stalls its event loop
 (145 MB in 20 s held `/health` for up to 7 s). Middleware cannot help: it runs once the head is parsed,
-which is where the body's deadline lives (`auth.BodySizeLimitMiddleware`). Knows nothing of the apps or
-their routes.
+which is where the body's deadline lives (`auth.BodySizeLimitMiddleware`). Nor does it bound how long an
+answer may wait for a client that reads nothing of it: the app's send waits, holding the connection, the
+response's buffers and any files it streams (an archive download), for good (a slow-read attack). nginx's
+`send_timeout` is the model for the answer's deadline. Knows nothing of the apps or their routes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Literal
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -26,37 +29,57 @@ log = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 * 1024
 
 
-def header_timeout_protocol(
-    timeout_s: float, on_timeout: Callable[[], None] = lambda: None
-) -> type[HeaderTimeoutProtocol]:
-    """uvicorn's `http=`: HeaderTimeoutProtocol with a deadline of `timeout_s`, calling `on_timeout` (a
-    metrics counter) for each connection it closes for a late head. uvicorn builds each connection's
-    protocol itself, from its config alone (`http_protocol_class(config=..., server_state=..., app_state=...,
-    _loop=...)`), so the values travel on a subclass."""
-
-    class BoundHeaderTimeoutProtocol(HeaderTimeoutProtocol):
-        header_timeout_s = timeout_s
-        timed_out = staticmethod(on_timeout)
-
-    return BoundHeaderTimeoutProtocol
+# Why a connection was closed, for `on_close` (a metrics counter labelled by it).
+CloseReason = Literal["head_timeout", "head_too_large", "send_timeout"]
+# An answer the client has read nothing of for this long is abandoned: nginx's `send_timeout` default.
+SEND_TIMEOUT_S = 60.0
 
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
+def deadline_protocol(
+    head_timeout_s: float,
+    *,
+    send_timeout_s: float = SEND_TIMEOUT_S,
+    on_close: Callable[[CloseReason], None] = lambda reason: None,
+) -> type[DeadlineProtocol]:
+    """uvicorn's `http=`: DeadlineProtocol with these deadlines, calling `on_close` for each connection it
+    closes. uvicorn builds each connection's protocol itself, from its config alone
+    (`http_protocol_class(config=..., server_state=..., app_state=..., _loop=...)`), so the values travel
+    on a subclass."""
+
+    class BoundDeadlineProtocol(DeadlineProtocol):
+        header_timeout_s = head_timeout_s
+        answer_timeout_s = send_timeout_s
+
+        @staticmethod
+        def closed_for(reason: CloseReason) -> None:
+            on_close(reason)
+
+    return BoundDeadlineProtocol
+
+
+class DeadlineProtocol(HttpToolsProtocol):
     """A 408 and a closed connection for a request head (request line and headers) not whole
     `header_timeout_s` after it was due: from the connection's start for the first request, and from the
     first byte after an answer for each later one (before that byte, uvicorn's keep-alive timeout bounds
-    the idle connection). A request whose head is whole is never cut off here: its body has the body
-    timeout, and its answer (a long-poll, a slow route) takes what it takes. A head still unfinished past
-    `MAX_HEAD_BYTES` gets a 431 and a closed connection the same way."""
+    the idle connection). A request whose head is whole is never cut off for its head: its body has the
+    body timeout, and its answer (a long-poll, a slow route) takes what it takes. A head still unfinished
+    past `MAX_HEAD_BYTES` gets a 431 and a closed connection the same way.
 
-    header_timeout_s: float  # set by header_timeout_protocol, from the server's --request-header-timeout-s
+    An answer is abandoned (the connection aborted) once the client has taken none of it for
+    `answer_timeout_s` while the transport's buffer is full (from asyncio's `pause_writing` until its
+    `resume_writing`). A client that reads, however slowly, is never cut off."""
+
+    header_timeout_s: float  # set by deadline_protocol, from the server's --request-header-timeout-s
+    answer_timeout_s: float  # set by deadline_protocol: SEND_TIMEOUT_S, or the server's --send-timeout-s
     _head_deadline: asyncio.TimerHandle | None = None  # armed while a head is due
+    _send_deadline: asyncio.TimerHandle | None = None  # armed while the client reads nothing of an answer
+    _buffered = 0  # the answer's bytes waiting in the transport when the send deadline was armed
     _head_bytes = 0  # received since the head was due: its own, and at most one read's worth beyond it
     _in_body = False  # the parser is past a head, in its body: what arrives then is no head's
 
     @staticmethod
-    def timed_out() -> None:
-        """Called once for each connection closed for its head (`header_timeout_protocol`'s `on_timeout`)."""
+    def closed_for(reason: CloseReason) -> None:
+        """Called once for each connection closed here (`deadline_protocol`'s `on_close`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's own
         super().connection_made(transport)
@@ -81,6 +104,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
             return
         self._disarm()
+        self.closed_for("head_too_large")
         log.warning(
             "closed the connection from %s with a 431: a request head over %d bytes",
             self._who(),
@@ -106,7 +130,45 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_send_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_deadline is None:
+            self._arm_send_deadline()
+
+    def _arm_send_deadline(self) -> None:
+        # resume_writing comes only once the buffer drains below its low-water mark, which a slow reader
+        # takes longer than the deadline to reach: what counts is the buffer shrinking at all meanwhile.
+        self._buffered = self.transport.get_write_buffer_size()
+        self._send_deadline = self.loop.call_later(self.answer_timeout_s, self._send_stalled)
+
+    def resume_writing(self) -> None:
+        self._stop_send_deadline()
+        super().resume_writing()
+
+    def _stop_send_deadline(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _send_stalled(self) -> None:
+        self._send_deadline = None
+        if self.transport.is_closing():
+            return
+        if self.transport.get_write_buffer_size() < self._buffered:  # the client took some: wait on
+            self._arm_send_deadline()
+            return
+        self.closed_for("send_timeout")
+        log.warning(
+            "aborted the connection to %s: it read nothing of its answer for %g s (--send-timeout-s)",
+            self._who(),
+            self.answer_timeout_s,
+        )
+        # Not close(): that would wait to flush the very buffer the client does not read. uvicorn's
+        # connection_lost then marks the request disconnected and wakes the app's waiting send.
+        self.transport.abort()
 
     def _answering(self) -> bool:
         """Whether a request whose head arrived is still being answered (uvicorn's `cycle` is the newest
@@ -134,7 +196,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
             # that answer, so it waits, one deadline at a time, until the answers owed are sent.
             self._arm()
             return
-        self.timed_out()
+        self.closed_for("head_timeout")
         log.warning(
             "closed the connection from %s with a 408: no whole request head within %g s "
             "(--request-header-timeout-s)",

@@ -52,7 +52,7 @@ from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, 
 from inflight.api.shutdown import GracefulServer, RefuseNewWorkMiddleware, ServiceShutdown
 from inflight.api.worker import EngineWorker, WorkerConfig
 from inflight.config import RayConfig
-from inflight.connections import header_timeout_protocol
+from inflight.connections import deadline_protocol
 from inflight.errors import UserError
 from inflight.preflight import bind_port, check_database, check_model_dir, check_port, ensure_dir, serve_on
 from inflight.types import DtypeName
@@ -114,10 +114,11 @@ def create_app(
     app = FastAPI(title="inflight: Tinker-compatible service", lifespan=lifespan)
     app.state.shutdown = shutdown
     app.state.metrics = metrics
-    # What both runners (`serve`, BackgroundServer) give uvicorn as its protocol: a deadline on each request's
-    # head, which no middleware can set, since middleware runs once the head is parsed.
-    app.state.http_protocol = header_timeout_protocol(
-        config.request_header_timeout_s, on_timeout=metrics.count_header_timeout
+    # What both runners (`serve`, BackgroundServer) give uvicorn as its protocol: deadlines on each request's
+    # head and on an answer the client stopped reading, which no middleware can set (it runs once a head is
+    # parsed, and its send cannot tell a slow client from one that reads nothing).
+    app.state.http_protocol = deadline_protocol(
+        config.request_header_timeout_s, send_timeout_s=config.send_timeout_s, on_close=metrics.count_closed
     )
     routers = (routes_session, routes_training, routes_sampling, routes_futures, routes_checkpoints)
     for module in (*routers, routes_archives, routes_metrics):
@@ -359,6 +360,7 @@ def serve(
     request_body_timeout_s: float = 120.0,
     session_expiry_s: float = 600.0,
     request_header_timeout_s: float = 30.0,
+    send_timeout_s: float = 60.0,
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
@@ -387,6 +389,7 @@ def serve(
         request_body_timeout_s=request_body_timeout_s,
         session_expiry_s=session_expiry_s,
         request_header_timeout_s=request_header_timeout_s,
+        send_timeout_s=send_timeout_s,
     )
     for path in base_models.values():  # a missing directory: a path check, answered before torch loads
         check_model_dir(path)

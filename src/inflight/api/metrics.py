@@ -11,7 +11,8 @@ Exposed (the `# HELP` lines say the same):
   inflight_futures{request_type,state}                           gauge, every future in the database
   inflight_worker_events_total{event}                            counter, the worker's counts (/server_stats)
   inflight_shutting_down                                         gauge, 1 while the shutdown drains
-  inflight_http_header_timeouts_total                            counter, connections closed for a late head
+  inflight_http_connections_closed_total{reason}                 counter, closed for a late or huge head, or
+                                                                  an answer its client stopped reading
 Knows nothing of HTTP beyond the names it is given; the database is only read, at scrape time.
 """
 
@@ -21,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,6 +30,7 @@ from sqlalchemy import func, select
 
 from inflight.api.db import Database, FutureRow, ModelRow, SamplingSessionRow
 from inflight.api.futures import RequestType
+from inflight.connections import CloseReason
 
 TokenKind = Literal["sampled", "trained"]
 TOKEN_KINDS: tuple[TokenKind, ...] = ("sampled", "trained")
@@ -103,12 +105,16 @@ class ServiceMetrics:
             self.tokens.labels(kind=kind)  # present at 0 before the first request
         self.rates = {kind: RateWindow(rate_window_s) for kind in TOKEN_KINDS}
         # Counted apart: such a connection never carried a request, so the request histogram never sees it.
-        self.header_timeouts = Counter(
-            "inflight_http_header_timeouts",
-            "Connections closed with a 408 because no whole request head (request line and headers) "
-            "arrived within --request-header-timeout-s",
+        self.connections_closed = Counter(
+            "inflight_http_connections_closed",
+            "Connections the server closed: head_timeout (no whole request head within "
+            "--request-header-timeout-s, a 408), head_too_large (a head over 64 KiB, a 431), send_timeout "
+            "(an answer its client read nothing of for --send-timeout-s)",
+            ["reason"],
             registry=self.registry,
         )
+        for reason in get_args(CloseReason):  # every series from the start, at 0
+            self.connections_closed.labels(reason=reason)
         self._sources: _Sources | None = None
         self.registry.register(self)  # `collect` below: what is read at scrape time
 
@@ -134,8 +140,8 @@ class ServiceMetrics:
             self.tokens.labels(kind=kind).inc(amount)
             self.rates[kind].add(amount)
 
-    def count_header_timeout(self) -> None:
-        self.header_timeouts.inc()
+    def count_closed(self, reason: CloseReason) -> None:
+        self.connections_closed.labels(reason=reason).inc()
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition the scraper asked for (Prometheus text by default, OpenMetrics on request)."""

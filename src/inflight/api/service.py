@@ -54,6 +54,9 @@ class ServiceConfig(BaseModel):
     # line and headers (408 past it; inflight/connections.py). uvicorn bounds no head, so a client that
     # connects and sends nothing, or trickles headers, would hold a connection and a file descriptor.
     request_header_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # How long an answer may wait while its client reads none of it before the connection is aborted
+    # (inflight/connections.py): an archive download read by nobody held its connection and open files.
+    send_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     max_lora_rank: int = Field(default=64, ge=1)
     # Models (adapters and their optimizer state, in memory until their session finishes) one API key may
     # have loaded at once; a create_model beyond it is refused, naming how to free one.

@@ -57,7 +57,7 @@ from inflight.api.auth import (
     is_loopback,
     keys_from,
 )
-from inflight.connections import header_timeout_protocol
+from inflight.connections import deadline_protocol
 from inflight.envs import ENVS, make_env
 from inflight.envs.base import Action, Environment, Observation, State, step_timeout
 from inflight.envs.openenv_client import API_KEY_ENV
@@ -185,7 +185,7 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
     )
     app.title = f"inflight env {name} (OpenEnv protocol)"
     # `serve` gives uvicorn this protocol: a deadline on each request's head (middleware cannot set one).
-    app.state.http_protocol = header_timeout_protocol(config.request_header_timeout_s)
+    app.state.http_protocol = deadline_protocol(config.request_header_timeout_s)
     app.add_middleware(
         BodySizeLimitMiddleware, max_bytes=config.max_body_bytes, body_timeout_s=config.request_body_timeout_s
     )

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 
 from inflight.api.auth import ApiKeys, BodySizeLimitMiddleware
-from inflight.connections import header_timeout_protocol
+from inflight.connections import deadline_protocol
 from inflight.errors import UserError
 from inflight.inference.access import check_engine_listening, require_api_key
 from inflight.inference.adapter_files import read_adapter_dir
@@ -529,7 +529,7 @@ def create_app(
     app.state.service = service
     # What both runners (`serve`, ServerThread) give uvicorn as its protocol: a deadline on each request's
     # head, which no middleware can set.
-    app.state.http_protocol = header_timeout_protocol(service.config.request_header_timeout_s)
+    app.state.http_protocol = deadline_protocol(service.config.request_header_timeout_s)
     app.add_middleware(
         BodySizeLimitMiddleware,
         max_bytes=service.config.max_update_bytes,
