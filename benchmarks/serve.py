@@ -443,6 +443,11 @@ class _InstantForwards:
         self.app: Any = None
         self._issued = 0
 
+    @property
+    def state(self) -> Any:
+        """The app's: BackgroundServer reads its uvicorn protocol (`http_protocol`) there."""
+        return self.app.state
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
         if (
