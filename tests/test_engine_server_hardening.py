@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 import torch
+from pydantic import ValidationError
 
 from conftest import one_line_error
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig
@@ -31,10 +32,18 @@ from inflight.inference.access import API_KEY_ENV
 from inflight.inference.client import EngineClient, EngineRequestError
 from inflight.inference.engine_loop import EngineLoop
 from inflight.inference.engine_loop import EngineRequestError as LoopRequestError
+from inflight.inference.openai_api import CompletionRequest
 from inflight.inference.server import EngineServerConfig, ServerThread, create_app
+from inflight.inference.wire import (
+    MAX_BATCH_REQUESTS,
+    GenerateBatchRequest,
+    GenerateBatchResponse,
+    GenerateRequest,
+    GenerateResponse,
+)
 from inflight.models import load_model, load_tokenizer
 from inflight.orchestrator.remote_engine import RemoteEngines
-from inflight.types import SampleRequest, SamplingParams
+from inflight.types import Completion, SampleRequest, SamplingParams
 
 KEY = "engine-test-key"
 CONTEXT = 64  # the engines' max_seq_len_tokens here
@@ -439,3 +448,147 @@ def test_a_client_that_leaves_costs_the_log_no_traceback(
         assert_still_serving(http)
     gc.collect()  # asyncio logs a never-retrieved exception when its future is collected
     assert "never retrieved" not in caplog.text, caplog.text
+
+
+class _Unwalkable(str):
+    """A text prompt that fails the test if anything walks it character by character."""
+
+    def __iter__(self) -> Iterator[str]:
+        raise AssertionError("the text prompt was walked character by character")
+
+
+def test_a_text_prompt_is_validated_without_walking_it() -> None:
+    """The empty-prompt check walked a text prompt character by character, on the event loop: 2.2 s for
+    20 MB here, every client's answers, /health's included, held meanwhile. Now only a list is walked."""
+    request = CompletionRequest.model_construct(
+        prompt=_Unwalkable("x" * 1000),
+        max_tokens=1,
+        logprobs=None,
+        echo=False,
+        suffix=None,
+        best_of=None,
+        n=1,
+    )
+    assert request._reject_unsupported_completion() is request
+    for empty in ("", [], [""], [[]], ["ok", ""]):
+        with pytest.raises(ValueError, match="prompt is empty"):
+            CompletionRequest.model_validate({"prompt": empty})
+
+
+def test_tiny_temperature_and_top_p_are_greedy_not_an_error(tiny_model_dir: Path, tokenizer: Any) -> None:
+    """temperature=1e-300 (float32 rounds it to 0: the logits divided by it are infinite) and top_p=1e-300
+    (the nucleus kept no token) made the row's logits NaN: a 422 blaming diverged weights. As vLLM (and
+    `inflight serve`) do, a temperature below 1e-5 is greedy, reporting what temperature 0 reports; a top_p
+    always keeps the top token, so a tiny one draws the argmax, whose sampled logprob is then log 1 = 0."""
+    generate = {"prompt_token_ids": [5, 6, 7], "max_tokens": 6}
+    with serving(tiny_model_dir, tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        greedy = http.post("/generate", json={**generate, "temperature": 0}).json()
+        for tiny in (1e-300, 1e-6):
+            reply = http.post("/generate", json={**generate, "temperature": tiny, "top_p": 0.5, "seed": 1})
+            assert reply.status_code == 200, reply.text
+            assert (reply.json()["token_ids"], reply.json()["logprobs"]) == (
+                greedy["token_ids"],
+                greedy["logprobs"],
+            )
+        nucleus = http.post("/generate", json={**generate, "top_p": 1e-300, "seed": 1})
+        assert nucleus.status_code == 200, nucleus.text
+        assert nucleus.json()["token_ids"] == greedy["token_ids"]
+        assert nucleus.json()["logprobs"] == [0.0] * len(greedy["token_ids"])
+        raw = http.post("/generate", json={**generate, "top_p": 1e-300, "logprobs_kind": "raw"}).json()
+        assert raw["logprobs"] == pytest.approx(greedy["logprobs"], abs=1e-5)
+        for body in ({"temperature": 1e-300}, {"top_p": 1e-300}):
+            completion = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})
+            assert completion.status_code == 200, completion.text
+        assert_still_serving(http)
+
+
+def test_request_ids_and_broadcast_joins_are_refused_before_anything_runs(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    """A request_id holding a lone surrogate had its generation run, then a 400 when the answer that echoes
+    it could not be encoded; one of 1 MB was taken and echoed. /weight_broadcast/join answered 200 to a
+    world_size or timeout_s that torch cannot take (2**31, 1e300, Infinity), then failed in the background."""
+    generate = {"prompt_token_ids": [5], "max_tokens": 1}
+    join = {"host": "127.0.0.1", "port": 29500, "world_size": 2, "rank": 1}
+    cases = [
+        ("/generate", {**generate, "request_id": "a\ud800"}, "request_id: Value error, not valid Unicode"),
+        (
+            "/generate",
+            {**generate, "request_id": "x" * 1_000_000},
+            "request_id: String should have at most 256",
+        ),
+        (
+            "/generate_batch",
+            {"requests": [generate, {**generate, "request_id": "\udfff"}]},
+            "requests.1.request_id",
+        ),
+        (
+            "/weight_broadcast/join",
+            {**join, "world_size": 2**31},
+            "world_size: Input should be less than or equal to 1024",
+        ),
+        (
+            "/weight_broadcast/join",
+            {**join, "timeout_s": 1e300},
+            "timeout_s: Input should be less than or equal to 3600",
+        ),
+        (
+            "/weight_broadcast/join",
+            {**join, "timeout_s": float("inf")},
+            "timeout_s: Input should be a finite number",
+        ),
+        ("/weight_broadcast/join", {**join, "timeout_s": 0}, "timeout_s: Input should be greater than 0"),
+        ("/weight_broadcast/join", {**join, "host": "\ud800"}, "host: Value error, not valid Unicode"),
+        ("/weight_broadcast/join", {**join, "host": "h" * 300}, "host: String should have at most 253"),
+        ("/weight_broadcast/join", {**join, "rank": 2}, "rank 2 is not a receiver of a group of 2"),
+    ]
+    with serving(tiny_model_dir, tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for path, body, needle in cases:
+            reply = post(http, path, body)
+            assert reply.status_code == 400 and needle in reply.json()["error"]["message"], (path, reply.text)
+        metrics = http.get("/metrics").json()
+        assert metrics["requests_total"] == 0 and metrics["broadcast_error"] is None, metrics
+        named = http.post("/generate", json={**generate, "request_id": "r" * 256})
+        assert named.status_code == 200 and named.json()["request_id"] == "r" * 256
+        assert_still_serving(http)
+
+
+def test_engine_client_splits_a_turn_of_more_calls_than_a_batch_takes() -> None:
+    """Every call of one event-loop turn went in one /generate_batch; past 4,096 (MAX_BATCH_REQUESTS) its
+    schema (the client's, as the server's) refused them all. A fake server that validates the bodies as the
+    real one does counts them."""
+    sizes: list[int] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        items = [GenerateRequest.model_validate(body)] if request.url.path == "/generate" else None
+        if items is None:
+            try:
+                items = GenerateBatchRequest.model_validate(body).requests
+            except ValidationError as exc:
+                return httpx.Response(400, json={"error": {"message": str(exc)}})
+        sizes.append(len(items))
+        replies = [
+            GenerateResponse(
+                request_id=item.request_id or "",
+                token_ids=[7],
+                logprobs=[-0.5],
+                versions=[0],
+                finish_reason="length",
+            )
+            for item in items
+        ]
+        if request.url.path == "/generate":
+            return httpx.Response(200, json=replies[0].model_dump())
+        return httpx.Response(200, json=GenerateBatchResponse(completions=replies).model_dump())
+
+    async def many(count: int) -> list[Completion]:
+        async with EngineClient("http://engine.test") as client:
+            await client._http.aclose()
+            client._http = httpx.AsyncClient(base_url=client.url, transport=httpx.MockTransport(answer))
+            params = SamplingParams(max_tokens=1)
+            return await asyncio.gather(*(client.generate(SampleRequest([5], params)) for _ in range(count)))
+
+    done = asyncio.run(many(2 * MAX_BATCH_REQUESTS + 1))
+    assert sorted(sizes) == [1, MAX_BATCH_REQUESTS, MAX_BATCH_REQUESTS]
+    assert len(done) == 2 * MAX_BATCH_REQUESTS + 1 and all(c.token_ids == [7] for c in done)

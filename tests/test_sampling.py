@@ -1,5 +1,6 @@
 """Inverse-CDF sampling (`inference/sampling.py`): the blocked search against a full float64 scan written
-here, zero-probability tokens never drawn, draws in proportion to the probabilities, and the blocks' size."""
+here, zero-probability tokens never drawn, draws in proportion to the probabilities, and the blocks' size.
+Tiny settings against temperature 0 (vLLM's rule: below 1e-5 is greedy) and against the argmax."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import math
 import pytest
 import torch
 
-from inflight.inference.sampling import _blocked_inverse_cdf, block_size, inverse_cdf
+from inflight.inference.prompt_outputs import alt_tokens
+from inflight.inference.sampling import _blocked_inverse_cdf, block_size, inverse_cdf, sample, topk_logprobs
+from inflight.types import SamplingParams
 
 
 def full_scan(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -89,3 +92,34 @@ def test_block_size_divides_the_vocabulary_where_it_can(vocab: int, size: int) -
     assert block_size(vocab) == size
     assert size >= 16 and size & (size - 1) == 0  # a power of two, at least 16
     assert size <= 2 ** math.ceil(math.log2(math.sqrt(vocab))) or size == 16
+
+
+def test_a_tiny_temperature_is_greedy_and_a_tiny_top_p_keeps_the_top_token() -> None:
+    """temperature=1e-300 (0 in float32: infinite scaled logits) and top_p=1e-300 (0 in float32: the nucleus
+    kept no token) made a row's probabilities NaN, which the engine fails as diverged weights. Alone or in a
+    batch with other temperatures, a tiny temperature reports what temperature 0 reports (the raw logprob of
+    the argmax), and a tiny top_p draws the argmax, whose probability after the cut is 1."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)) * 4
+    raw = torch.log_softmax(logits, -1).max().item()
+    argmax = logits.argmax().item()
+    rows = {  # params -> (its token, its logprob of the "sampled" kind)
+        SamplingParams(temperature=0): (argmax, raw),
+        SamplingParams(temperature=1e-300): (argmax, raw),
+        SamplingParams(temperature=1e-6, top_p=0.5, top_k=3): (argmax, raw),
+        SamplingParams(top_p=1e-300): (argmax, 0.0),
+        SamplingParams(temperature=0.7, top_p=1e-300): (argmax, 0.0),
+    }
+    batches = [[p] for p in rows] + [list(rows), [*rows, SamplingParams()]]
+    for batch in batches:
+        generator = torch.Generator().manual_seed(0)
+        tokens, logprobs = sample(logits.expand(len(batch), -1), batch, [None] * len(batch), generator)
+        for p, token, logprob in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
+            if p in rows:
+                assert (token, logprob) == pytest.approx(rows[p], abs=1e-6), (p, batch)
+        assert torch.isfinite(logprobs).all()
+    greedy = SamplingParams(temperature=1e-300, topk_logprobs=3)
+    _, ids, best = topk_logprobs(logits, [greedy])
+    assert torch.equal(ids, torch.log_softmax(logits, -1).topk(3).indices) and torch.isfinite(best).all()
+    generator = torch.Generator().manual_seed(0)
+    draws = alt_tokens(logits, torch.log_softmax(logits, -1), 4, 1e-300, generator)
+    assert draws == alt_tokens(logits, torch.log_softmax(logits, -1), 4, 0.0, generator)

@@ -20,12 +20,16 @@ LogprobKind = Literal["sampled", "raw"]
 DtypeName = Literal["auto", "float32", "bfloat16"]
 
 
+# vLLM's rule: a temperature below this samples greedily (dividing logits by it overflows float32).
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled. Validated on construction; errors name the field."""
 
     max_tokens: int = 64
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) = greedy
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
     seed: int | None = None  # same seed + prompt + weights -> same tokens
@@ -54,9 +58,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
+    def greedy(self) -> bool:
+        """The argmax at every step; top-k and top-p change nothing then."""
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
     def truncates_distribution(self) -> bool:
         """True when top-p/top-k change the behaviour distribution away from softmax(logits / T)."""
-        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0)
+        return not self.greedy and (self.top_p < 1.0 or self.top_k > 0)
 
 
 def new_id() -> str:

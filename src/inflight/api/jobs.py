@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from inflight.api.job_types import CsrLayout, LoraSpec, OptimStep, PromptTargets, SampleJob
 from inflight.api.schemas import AdamParams, LoraConfig, OptimStepRequest, SampleRequest, TensorData
 from inflight.errors import UserError
+from inflight.types import MIN_TEMPERATURE
 
-# vLLM's rule: a temperature this close to 0 samples greedily (dividing logits by it overflows float32).
-MIN_TEMPERATURE = 1e-5
 MAX_STOP_SEQUENCES = 64  # each is checked against every new token, on the thread all tenants share
 MAX_STOP_STRING_CHARS = 1024
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from inflight.inference.access import API_KEY_HEADER, client_api_key
 from inflight.inference.openai_api import ChatCompletionResponse
 from inflight.inference.wire import (
+    MAX_BATCH_REQUESTS,
     VERSION_HEADER,
     AdaptersResponse,
     GenerateBatchRequest,
@@ -100,12 +101,12 @@ class EngineClient:
     """One replica. Raises EngineRequestError (4xx) or ReplicaError (anything else that went wrong).
 
     `generate` calls made together (in one turn of the event loop: the rollouts a batch of completions
-    woke up) travel as one /generate_batch request: the server parses them at once and the engine starts
-    them in one step. Sent one by one, 128 concurrent BlackJack turns took ~6x as long on the tiny model
-    (docs/benchmarks.md, `launcher=ray`): the engine stepped on the few that had arrived while the rest were
-    still being parsed. When every caller of a batch stops waiting (a timeout, a cancellation), its HTTP
-    request is dropped and the server aborts the generations; one caller among others still waiting leaves
-    its request to finish there."""
+    woke up) travel as one /generate_batch request (one per 4,096, the most a server takes): the server
+    parses them at once and the engine starts them in one step. Sent one by one, 128 concurrent BlackJack
+    turns took ~6x as long on the tiny model (docs/benchmarks.md, `launcher=ray`): the engine stepped on
+    the few that had arrived while the rest were still being parsed. When every caller of a batch stops
+    waiting (a timeout, a cancellation), its HTTP request is dropped and the server aborts the
+    generations; one caller among others still waiting leaves its request to finish there."""
 
     def __init__(self, url: str, config: ClientConfig | None = None) -> None:
         self.url = url.rstrip("/")
@@ -140,7 +141,13 @@ class EngineClient:
         return await future
 
     def _send_pending(self) -> None:
-        batch, self._pending = self._pending, []
+        pending, self._pending = self._pending, []
+        # A /generate_batch holds at most MAX_BATCH_REQUESTS (its schema refuses more, here as on the server):
+        # 4,097 calls in one turn used to fail together.
+        for start in range(0, len(pending), MAX_BATCH_REQUESTS):
+            self._send_batch(pending[start : start + MAX_BATCH_REQUESTS])
+
+    def _send_batch(self, batch: list[tuple[SampleRequest, asyncio.Future[Completion]]]) -> None:
         task = asyncio.get_running_loop().create_task(self._generate_batch(batch))
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)

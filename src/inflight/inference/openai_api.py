@@ -84,7 +84,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("echo and suffix are not supported")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported (use n and rank the samples yourself)")
-        if not self.prompt or any(isinstance(p, list | str) and not p for p in self.prompt):
+        # Only a list is walked for empty prompts: a text prompt, walked character by character on the event
+        # loop, held every client 2.2 s for 20 MB.
+        items = self.prompt if isinstance(self.prompt, list) else []
+        if not self.prompt or any(isinstance(p, list | str) and not p for p in items):
             raise ValueError("prompt is empty")
         return self
 

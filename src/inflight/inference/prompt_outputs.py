@@ -10,6 +10,8 @@ import math
 import torch
 from torch import Tensor
 
+from inflight.types import MIN_TEMPERATURE
+
 
 def prompt_logprobs(
     prompt: list[int], logprobs: Tensor, top_k: int
@@ -41,10 +43,10 @@ def alt_tokens(
     logits: Tensor, logprobs: Tensor, k: int, temperature: float, generator: torch.Generator
 ) -> list[list[tuple[int, float]]]:
     """k draws with replacement from softmax(logits / temperature) per row of logits [P-1, V] (the argmax
-    at temperature 0), each with its logprob from logprobs [P-1, V] (temperature 1)."""
+    below MIN_TEMPERATURE, greedy), each with its logprob from logprobs [P-1, V] (temperature 1)."""
     if logits.shape[0] == 0:
         return []
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:
         ids = logits.argmax(dim=-1, keepdim=True).expand(-1, k)
     else:
         probs = torch.softmax(logits / temperature, dim=-1)

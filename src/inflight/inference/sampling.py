@@ -1,7 +1,8 @@
 """Batched sampling with per-row temperature, top-k, top-p and seeds, and the logprob of each sampled token
 in the kind each row asks for (`SamplingParams.logprobs_kind`, defined in docs/architecture.md):
 - "sampled": under the distribution actually sampled from (temperature, truncation and renormalisation
-  applied); greedy rows report log_softmax of the raw logits.
+  applied); greedy rows (temperature below 1e-5, `types.MIN_TEMPERATURE`: vLLM's rule) report log_softmax
+  of the raw logits.
 - "raw": log_softmax of the raw logits (temperature 1, untruncated), whatever the row sampled with.
 Everything is float32 on the logits' device; the caller's generators must live there too.
 """
@@ -55,7 +56,7 @@ def topk_logprobs(logits: Tensor, params: Sequence[SamplingParams]) -> tuple[lis
     dist = logits.float()[index]
     for j, row in enumerate(rows):  # few rows ask, and each row's processing is its own
         p = params[row]
-        if p.logprobs_kind == "sampled" and p.temperature > 0:
+        if p.logprobs_kind == "sampled" and not p.greedy:
             scaled = dist[j : j + 1] / p.temperature
             if p.truncates_distribution:
                 scaled = truncate(scaled, [p.top_k], [p.top_p])
@@ -77,17 +78,21 @@ def _sample(
 ) -> tuple[Tensor, Tensor]:
     """Tokens and their "sampled" logprobs."""
     device = logits.device
-    temperatures = {p.temperature for p in params}
-    if temperatures == {0}:
+    greedy_rows = [p.greedy for p in params]
+    if all(greedy_rows):
         best, tokens = logits.max(dim=-1)
         return tokens, best - torch.logsumexp(logits, dim=-1)
 
     greedy = None
+    temperatures = {p.temperature for p in params}
     if len(temperatures) == 1:  # the common batch: one temperature, so a scalar and no greedy rows
         (t,) = temperatures
         scaled = logits if t == 1 else logits / t  # x / 1 == x: skipping the division changes nothing
     else:
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        # Greedy rows as 0, then divided by 1: their own temperature may be below float32's range (1e-300).
+        temperature = torch.tensor(
+            [0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=device
+        )
         greedy = temperature == 0
         scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     rows = [i for i, p in enumerate(params) if p.truncates_distribution]  # never greedy rows
@@ -106,7 +111,7 @@ def _sample(
         if gen is not None:
             uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64, device=device)
     tokens = inverse_cdf(probs, uniform)
-    if greedy is not None and 0 in temperatures:  # a mixed batch with greedy rows
+    if greedy is not None and any(greedy_rows):  # a mixed batch with greedy rows
         # Their `scaled` rows are the raw logits, never truncated: the logprob below is the raw one.
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     # log of the probability (not log_softmax): one pass fewer over the vocabulary, and as exact for any
@@ -194,5 +199,9 @@ def truncate(scaled: Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> Te
         mass_before = probs.cumsum(dim=-1) - probs
         # p = 1 is "off": float rounding must not cut the tail, so compare against +inf instead.
         p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], device=device)
-        values = values.masked_fill(mass_before >= p[:, None], float("-inf"))  # the top token always stays
+        beyond = mass_before >= p[:, None]
+        # The top token always stays (its mass before is 0): a top_p that float32 rounds to 0 (1e-300) cut
+        # every token, and the row's logits became NaN.
+        beyond[:, 0] = False
+        values = values.masked_fill(beyond, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter_(1, order, values)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from inflight.types import Completion, SampleRequest, SamplingParams
 
@@ -33,6 +33,25 @@ TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0)]  # below the vocabulary size too: the engine checks that, knowing it
 
 
+def _utf8(value: object) -> object:
+    """A string UTF-8 can encode: JSON may escape a lone UTF-16 surrogate ("\\ud800"), which is no character,
+    and an answer or a C++ call that carries it fails long after validation. Before pydantic's own checks,
+    whose message for one (with a length bound) names no fix."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"not valid Unicode: it holds a lone surrogate ({value[exc.start]!r}); send UTF-8 text"
+            ) from None
+    return value
+
+
+# Echoed in the answer (a surrogate failed it, 400, once the generation had run) and in the logs.
+MAX_REQUEST_ID_CHARS = 256
+RequestId = Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS), BeforeValidator(_utf8)]
+
+
 class GenerateRequest(BaseModel):
     """Token-in/token-out: one prompt; SamplingParams' and SampleRequest's fields at the top level."""
 
@@ -47,7 +66,7 @@ class GenerateRequest(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[TokenId] = Field(default_factory=list)  # kept in the output when hit
     logprobs_kind: Literal["sampled", "raw"] = "sampled"  # docs/architecture.md, "Logprobs"
-    request_id: str | None = None  # default: a fresh id
+    request_id: RequestId | None = None  # default: a fresh id
     adapter: AdapterName | None = None  # a LoRA adapter registered with /set_adapter; None = base weights
     topk_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_PROMPT_LOGPROBS)
     prompt_logprobs: bool = False
@@ -187,16 +206,26 @@ class UpdateWeightsRequest(BaseModel):
     version: int = Field(ge=0)  # optimizer steps that produced these weights
 
 
+# The join answers at once and the group forms in the background, so these are checked here: beyond them
+# (1e300 s or inf overflowed torch's timeout, 2**31 ranks its store's count) the join failed only later, in
+# /metrics' broadcast_error. The trainer sends 60 s (`remote_engine.BROADCAST_TIMEOUT_S`) and one rank per
+# replica.
+MAX_BROADCAST_WORLD_SIZE = 1024  # the trainer and 1,023 replicas
+MAX_BROADCAST_TIMEOUT_S = 3600.0
+
+
 class JoinBroadcastRequest(BaseModel):
     """Join the trainer's torch.distributed weight broadcast as `rank` (`inference/weight_broadcast.py`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = Field(min_length=1)  # where the trainer's TCP store listens
+    # Where the trainer's TCP store listens: a host name (at most 253 characters) or an address.
+    host: Annotated[str, Field(min_length=1, max_length=253), BeforeValidator(_utf8)]
     port: int = Field(ge=1, le=65535)
-    world_size: int = Field(ge=2)  # the trainer and every replica
+    world_size: int = Field(ge=2, le=MAX_BROADCAST_WORLD_SIZE)  # the trainer and every replica
     rank: int = Field(ge=1)  # the bucket layout comes from the trainer, through its store
-    timeout_s: float = Field(default=60.0, gt=0)  # joining, and each transfer's collectives
+    # Joining, and each transfer's collectives.
+    timeout_s: float = Field(default=60.0, gt=0, le=MAX_BROADCAST_TIMEOUT_S, allow_inf_nan=False)
 
 
 class JoinBroadcastResponse(BaseModel):
