@@ -10,6 +10,7 @@ pattern of a row that finishes alone with its error. Servers run in-process on f
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import json
@@ -592,3 +593,52 @@ def test_engine_client_splits_a_turn_of_more_calls_than_a_batch_takes() -> None:
     done = asyncio.run(many(2 * MAX_BATCH_REQUESTS + 1))
     assert sorted(sizes) == [1, MAX_BATCH_REQUESTS, MAX_BATCH_REQUESTS]
     assert len(done) == 2 * MAX_BATCH_REQUESTS + 1 and all(c.token_ids == [7] for c in done)
+
+
+def test_a_request_id_in_flight_is_refused_without_touching_that_request(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    """A second request reusing the id of one in flight replaced its waiter in the engine loop, was refused
+    by the engine, and its abort then stopped the first: its client heard nothing until the server's
+    request timeout. Now the second is a 400 naming the id, and the first finishes as it would have."""
+    body = {"prompt_token_ids": [5, 6, 7], "max_tokens": CONTEXT - 4, "request_id": "shared-id"}
+    with (
+        serving(tiny_model_dir, tokenizer, request_timeout_s=20) as url,
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
+        for _ in range(20):  # until a second request lands while the first runs (it takes ~0.1 s)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                first = pool.submit(http.post, "/generate", json=body)
+                refused = []
+                while not first.done():
+                    second = http.post("/generate", json={**body, "max_tokens": 1})
+                    if second.status_code == 400:
+                        refused.append(second.json())
+                reply = first.result()
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["finish_reason"] in ("length", "stop"), reply.json()
+            if refused:
+                assert "'shared-id' is already in flight" in str(refused[0]), refused[0]
+                break
+        else:
+            pytest.fail("no second request landed while the first ran, in 20 tries")
+        assert_still_serving(http)
+
+
+def test_stop_strings_are_bounded_in_number_and_length(tiny_model_dir: Path, tokenizer: Any) -> None:
+    """Each stop string is matched against every new token on the engine's one thread: /generate and the
+    OpenAI routes took any number of any length. Now at most 64 of at most 1,024 characters, as `inflight
+    serve` takes, with a 400 naming the field."""
+    generate = {"prompt_token_ids": [5, 6, 7], "max_tokens": 2}
+    with serving(tiny_model_dir, tokenizer) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for stop in (["a"] * 65, ["a" * 1025]):
+            refused = http.post("/generate", json={**generate, "stop": stop})
+            assert refused.status_code == 400 and "stop" in refused.text, refused.text
+            completion = {"prompt": [5, 6, 7], "max_tokens": 2, "stop": stop}
+            refused = http.post("/v1/completions", json=completion)
+            assert refused.status_code == 400 and "stop" in refused.text, refused.text
+        assert http.post("/generate", json={**generate, "stop": ["a" * 1024] * 64}).status_code == 200
+        assert (
+            http.post("/v1/completions", json={"prompt": [5], "max_tokens": 2, "stop": "x"}).status_code
+            == 200
+        )

@@ -161,6 +161,12 @@ class EngineLoop:
     ) -> None:
         self._check_open()
         with self._lock:
+            if request.request_id in self._futures:
+                # Checked before the waiter is stored: storing it first replaced the waiter of the request in
+                # flight, which then never heard of its completion, and the caller's abort stopped it.
+                raise ValueError(
+                    f"request_id {request.request_id!r} is already in flight: give each request its own id"
+                )
             self._futures[request.request_id] = waiter
         try:
             self.engine.add_request(request)

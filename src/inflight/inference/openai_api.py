@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from inflight.inference.wire import SEED_MAX, Seed, Temperature, TokenId, TopP
+from inflight.inference.wire import SEED_MAX, Seed, StopString, StopStrings, Temperature, TokenId, TopP
 from inflight.types import Completion, SamplingParams, new_id
 
 MAX_N = 64  # samples per prompt in one request
@@ -29,7 +29,7 @@ class _SamplingFields(BaseModel):
     top_p: TopP = 1.0
     n: int = Field(default=1, ge=1, le=MAX_N)
     seed: Seed | None = None  # sample i of n uses seed + i, an int64 too
-    stop: str | list[str] | None = None
+    stop: StopString | StopStrings | None = None
     stream: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -210,7 +210,7 @@ class _EngineService:
             for request in requests:
                 futures.append(self.loop.submit(request))
         except BaseException:
-            for request in requests:
+            for request in requests[: len(futures)]:  # only its own: another's may hold a refused id
                 self.engine.abort(request.request_id)
             raise
         self.counters.requests_total += len(requests)

@@ -30,6 +30,11 @@ Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 # Sampling settings must be finite: a NaN or infinite temperature turns every logit of the row into NaN.
 Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # 0 = greedy
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+# Each stop string is matched against every new token on the engine's one thread, which all requests
+# share: their number and length are bounded (as `inflight serve` bounds them).
+MAX_STOP_STRINGS = 64
+StopString = Annotated[str, Field(max_length=1024)]
+StopStrings = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 TokenId = Annotated[int, Field(ge=0)]  # below the vocabulary size too: the engine checks that, knowing it
 
 
@@ -63,7 +68,7 @@ class GenerateRequest(BaseModel):
     top_p: TopP = 1.0
     top_k: int = Field(default=0, ge=0)  # 0 = off
     seed: Seed | None = None
-    stop: list[str] = Field(default_factory=list)
+    stop: StopStrings = Field(default_factory=list)
     stop_token_ids: list[TokenId] = Field(default_factory=list)  # kept in the output when hit
     logprobs_kind: Literal["sampled", "raw"] = "sampled"  # docs/architecture.md, "Logprobs"
     request_id: RequestId | None = None  # default: a fresh id
