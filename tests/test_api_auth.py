@@ -18,8 +18,8 @@ import pytest
 from pydantic import ValidationError
 
 from inflight.api.app import BackgroundServer, create_app
-from inflight.api.auth import OPEN_PATHS, ApiKeyMiddleware, check_api_keys, check_listening, is_loopback
 from inflight.api.service import ServiceConfig
+from inflight.auth import OPEN_PATHS, ApiKeyMiddleware, check_api_keys, check_listening, is_loopback
 from inflight.envs.openenv_server import OpenEnvServerConfig
 from inflight.errors import UserError
 from inflight.inference.server import EngineServerConfig

@@ -23,12 +23,12 @@ import torch
 
 from conftest import sdk_server
 from inflight.api.app import BackgroundServer
-from inflight.api.auth import tenant_of
 from inflight.api.checkpoints import CheckpointQuotaError, CheckpointStore, StorageLimits
 from inflight.api.db import CheckpointRow, Database, ModelRow, SessionRow, sqlite_url, utcnow
 from inflight.api.ids import checkpoint_path
 from inflight.api.service import ServiceConfig, ServiceState
 from inflight.api.worker import EngineWorker
+from inflight.auth import tenant_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("close_sdk_sessions")]
 types = tinker.types

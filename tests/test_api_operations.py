@@ -30,12 +30,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import sample_body, sdk_server
 from inflight.api.access_log import REQUEST_LOGGER
 from inflight.api.app import BackgroundServer, create_app
-from inflight.api.auth import tenant_of
 from inflight.api.db import Database, sqlite_url
 from inflight.api.futures import Future, FutureStore
 from inflight.api.metrics import RateWindow
 from inflight.api.service import ServiceConfig
 from inflight.api.shutdown import GracefulServer, ServiceShutdown
+from inflight.auth import tenant_of
 
 pytestmark = pytest.mark.slow
 types = tinker.types

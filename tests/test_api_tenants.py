@@ -31,11 +31,11 @@ from sqlalchemy import inspect
 
 from conftest import sample_body
 from inflight.api.app import BackgroundServer, create_app, load_compute
-from inflight.api.auth import tenant_of
 from inflight.api.compute import ServiceCompute, ServiceComputeConfig
 from inflight.api.db import Database, ModelRow, SessionRow, sqlite_url
 from inflight.api.service import ServiceConfig, ServiceState
 from inflight.api.worker import WorkerConfig
+from inflight.auth import tenant_of
 
 pytestmark = pytest.mark.slow
 types = tinker.types

@@ -132,7 +132,7 @@ def test_what_answers_a_typo_imports_no_torch() -> None:
     the command line is answered at once (it took 7.5 s, importing torch and transformers through the
     config's settings); the packages' heavy exports load on first use."""
     code = (
-        "import sys, inflight.config, inflight.orchestrator.target, inflight.api.auth, inflight.preflight\n"
+        "import sys, inflight.config, inflight.orchestrator.target, inflight.auth, inflight.preflight\n"
         "import inflight.models, inflight.trainer, inflight.losses, inflight.inference\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

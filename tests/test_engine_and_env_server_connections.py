@@ -1,5 +1,5 @@
 """`inflight serve-engine` and `inflight env serve` bound every request's head and body, in time and in size,
-as `inflight serve` does (`inflight.connections`, `api/auth.py`'s BodySizeLimitMiddleware).
+as `inflight serve` does (`inflight.connections`, `auth.py`'s BodySizeLimitMiddleware).
 
 Reference: the hostile-input pass over both servers (a connection that sent nothing, or trickled its head or
 its body, was held for good; a 145 MB header was taken in, stalling the event loop for seconds at a time;
@@ -21,7 +21,7 @@ import pytest
 import torch
 import uvicorn
 
-from inflight.api.auth import BodySizeLimitMiddleware
+from inflight.auth import BodySizeLimitMiddleware
 from inflight.cli import main
 from inflight.connections import MAX_HEAD_BYTES
 from inflight.envs.openenv_server import OpenEnvServerConfig

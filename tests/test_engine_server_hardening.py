@@ -3,7 +3,7 @@ engine step the others share), bad fields get a 4xx naming them, options are che
 read, and beyond loopback the server needs an API key, which the pipeline's clients send.
 
 References: vLLM's OpenAI server (seeds bounded to int64; prompt + max_tokens beyond the context is a 400),
-`inflight serve`'s key rule (`api/auth.py`, `tests/test_api_auth.py`), and `BuiltinEngine._non_finite`, the
+`inflight serve`'s key rule (`auth.py`, `tests/test_api_auth.py`), and `BuiltinEngine._non_finite`, the
 pattern of a row that finishes alone with its error. Servers run in-process on free loopback ports.
 """
 

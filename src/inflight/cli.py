@@ -132,7 +132,7 @@ def _parse_base_models(items: list[str]) -> dict[str, str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from inflight.api.auth import SERVE_API_KEY_ENV, TINKER_KEY_PREFIX, check_listening, keys_from
+    from inflight.auth import SERVE_API_KEY_ENV, TINKER_KEY_PREFIX, check_listening, keys_from
     from inflight.models.paths import resolve
     from inflight.preflight import check_port
 

@@ -22,9 +22,9 @@ from typing import Any
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from inflight.api.auth import scope_tenant
 from inflight.api.futures import Future, RequestType
 from inflight.api.metrics import ServiceMetrics
+from inflight.auth import scope_tenant
 
 REQUEST_LOGGER = "inflight.api.requests"
 UNMATCHED_ROUTE = "unmatched"  # a path no route serves: one metrics label, whatever the path was

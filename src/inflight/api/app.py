@@ -40,7 +40,6 @@ from inflight.api import (
 )
 from inflight.api.access_log import REQUEST_LOGGER, AccessLogMiddleware
 from inflight.api.archives import ArchiveLinkError, ArchiveSigner
-from inflight.api.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_listening, scope_tenant
 from inflight.api.checkpoints import CheckpointExpiredError, CheckpointNotFoundError, CheckpointStore
 from inflight.api.db import Database
 from inflight.api.futures import FutureStore, UnknownFutureError
@@ -51,6 +50,7 @@ from inflight.api.schemas import future_response
 from inflight.api.service import BaseModelInfo, CompletionBoard, NotFoundError, ServiceConfig, ServiceState
 from inflight.api.shutdown import GracefulServer, RefuseNewWorkMiddleware, ServiceShutdown
 from inflight.api.worker import EngineWorker, WorkerConfig
+from inflight.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_listening, scope_tenant
 from inflight.config import RayConfig
 from inflight.connections import deadline_protocol
 from inflight.errors import UserError

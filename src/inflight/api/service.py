@@ -21,11 +21,11 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from inflight.api.archives import ArchiveSigner
-from inflight.api.auth import TinkerApiKeys, scope_tenant
 from inflight.api.checkpoints import CheckpointStore, StorageLimits
 from inflight.api.db import Database, ModelRow, SessionRow
 from inflight.api.futures import Future, FutureStore, RequestType
 from inflight.api.jobs import BaseModelLimits
+from inflight.auth import TinkerApiKeys, scope_tenant
 from inflight.config import RayConfig
 from inflight.errors import UserError
 from inflight.types import DtypeName

@@ -24,7 +24,7 @@ them. Our Action/Observation models mirror OpenEnv's (same `metadata`, `done`, `
   422 quotes at most the first characters of a rejected input, never all of it, and these answers are
   ASCII JSON, so that no input they quote (a lone surrogate, a NaN) makes one fail;
 - who may connect: with API keys (`--api-key`, else $INFLIGHT_ENV_API_KEY) every route but /health,
-  the /ws handshake included, needs one as X-API-Key (`api/auth.py`'s check, as `inflight serve` uses
+  the /ws handshake included, needs one as X-API-Key (`auth.py`'s check, as `inflight serve` uses
   it); without one the server listens on loopback only (`check_env_listening`). Request bodies are
   bounded (`max_body_bytes`: 413 past it), since HTTP /reset and /step parse theirs whole, and a
   request's head and its body must each arrive in time (`request_header_timeout_s`,
@@ -50,7 +50,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect
 
 import inflight
-from inflight.api.auth import (
+from inflight.auth import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     check_api_keys,

@@ -1,5 +1,5 @@
 """Who may call `inflight serve-engine`: its API keys (`--api-key`, else $INFLIGHT_ENGINE_API_KEY), the
-refusal to listen beyond loopback without one, and the key check in front of its routes (`api/auth.py`'s
+refusal to listen beyond loopback without one, and the key check in front of its routes (`auth.py`'s
 middleware, as `inflight serve` uses it). Light (no torch): the CLI checks before it imports the server.
 """
 
@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from inflight.api.auth import ApiKeyMiddleware, is_loopback, keys_from
+from inflight.auth import ApiKeyMiddleware, is_loopback, keys_from
 from inflight.errors import UserError
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 
-from inflight.api.auth import ApiKeys, BodySizeLimitMiddleware
+from inflight.auth import ApiKeys, BodySizeLimitMiddleware
 from inflight.connections import deadline_protocol
 from inflight.errors import UserError
 from inflight.inference.access import check_engine_listening, require_api_key

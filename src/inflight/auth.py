@@ -1,5 +1,7 @@
-"""ASGI guards in front of every route: the X-API-Key check (which also names the request's tenant) and the
-request body size limit.
+"""ASGI guards in front of every route of inflight's servers (`serve`, `serve-engine`, `env serve`): the
+X-API-Key check (which also names, for `inflight serve`, the request's tenant) and the request body's size
+and deadline. Beside `connections.py` (the head's and the answer's bounds), not under `api/`: the engine and
+environment servers use them too, and neither may import the service.
 
 Pure ASGI (no BaseHTTPMiddleware) so long-polls and large bodies pass through without extra buffering
 beyond the size check.
