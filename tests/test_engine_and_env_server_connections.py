@@ -206,7 +206,7 @@ def test_engine_bodies_are_bounded_whether_announced_or_streamed(engine_url: str
         )
         assert update.status_code == 413 and "limit of 2097152 bytes" in update.json()["detail"], update.text
         within = http.post(
-            "/generate", json={"prompt_token_ids": [5] * 32, "max_tokens": 1, "stop": ["a" * 9000]}
+            "/generate", json={"prompt_token_ids": [5] * 32, "max_tokens": 1, "stop": ["a" * 1000] * 9}
         )
         assert within.status_code == 200, within.text
         assert http.get("/health").json()["version"] == 0
