@@ -150,6 +150,22 @@ def busy_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+def read_until_closed(sock: socket.socket, within_s: float = 10.0) -> bytes:
+    """Everything a server sends on `sock` until it closes the connection; TimeoutError if it has not within
+    `within_s`. Import it from a test module: `from conftest import read_until_closed`."""
+    deadline = time.monotonic() + within_s
+    answer = b""
+    while True:
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:  # a byte sent after its close: what it wrote was read first
+            return answer
+        if not chunk:
+            return answer
+        answer += chunk
+
+
 def sample_body(sampling_session: str, seq_id: int, max_tokens: int, num_samples: int = 1) -> dict[str, Any]:
     """A raw /asample body that runs to `max_tokens` (stop=[]: not even EOS stops it). Import it from a test
     module: `from conftest import sample_body`."""

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import sdk_server
+from conftest import read_until_closed, sdk_server
 from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig
 
@@ -57,21 +57,6 @@ def http(server: BackgroundServer) -> Iterator[httpx.Client]:
 
 def connect(server: BackgroundServer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
-
-
-def read_until_closed(sock: socket.socket, within_s: float = WAIT_S) -> bytes:
-    """Everything the server sends until it closes the connection; TimeoutError if it has not by then."""
-    deadline = time.monotonic() + within_s
-    answer = b""
-    while True:
-        sock.settimeout(max(deadline - time.monotonic(), 0.01))
-        try:
-            chunk = sock.recv(4096)
-        except ConnectionResetError:  # a byte we sent after its close: what it wrote was read first
-            return answer
-        if not chunk:
-            return answer
-        answer += chunk
 
 
 def read_response(sock: socket.socket) -> tuple[int, bytes]:

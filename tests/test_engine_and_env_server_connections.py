@@ -21,6 +21,7 @@ import pytest
 import torch
 import uvicorn
 
+from conftest import read_until_closed
 from inflight.auth import BodySizeLimitMiddleware
 from inflight.cli import main
 from inflight.connections import MAX_HEAD_BYTES
@@ -87,21 +88,6 @@ def served(request: pytest.FixtureRequest) -> Served:
 
 def connect(url: str) -> socket.socket:
     return socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=WAIT_S)
-
-
-def read_until_closed(sock: socket.socket, within_s: float = WAIT_S) -> bytes:
-    """Everything the server sends until it closes the connection; TimeoutError if it has not by then."""
-    deadline = time.monotonic() + within_s
-    answer = b""
-    while True:
-        sock.settimeout(max(deadline - time.monotonic(), 0.01))
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:  # a byte we sent after its close: what it wrote was read first
-            return answer
-        if not chunk:
-            return answer
-        answer += chunk
 
 
 def trickle(sock: socket.socket, pieces: Iterable[bytes], gap_s: float) -> bytes:

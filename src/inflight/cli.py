@@ -13,6 +13,7 @@ import importlib.util
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -189,45 +190,27 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def _positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    value = _seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a number of seconds > 0, got 0")
-    return value
+def _finite(unit: str, minimum: float, bound: str, *, exclusive: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number of `unit` at least (or, `exclusive`, above) `minimum`; `bound`
+    says which to the user (">= 0", "> 0")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        low_enough = value <= minimum if exclusive else value < minimum
+        if low_enough or not value < float("inf"):  # NaN fails both comparisons: refused here
+            raise argparse.ArgumentTypeError(f"expected a finite number of {unit} {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _seconds(text: str) -> float:
-    """argparse type: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
-    return value
-
-
-def _positive_gib(text: str) -> float:
-    """argparse type: a finite number of GiB, at least a byte."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
-    if not 2**-30 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of GiB > 0, got {text!r}")
-    return value
-
-
-def _positive_mib(text: str) -> float:
-    """argparse type: a finite number of MiB, at least 1 KiB."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
-    if not 2**-10 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of MiB >= 1/1024, got {text!r}")
-    return value
+_seconds = _finite("seconds", 0.0, ">= 0")
+_positive_seconds = _finite("seconds", 0.0, "> 0", exclusive=True)
+_positive_gib = _finite("GiB", 2**-30, "> 0")  # at least a byte
+_positive_mib = _finite("MiB", 2**-10, ">= 1/1024")
 
 
 def _cmd_serve_engine(args: argparse.Namespace) -> int:
