@@ -455,25 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         "any save that would leave the state dir's disk under 1 GiB free fails too, whatever the key "
         "(default %(default)g)",
     )
-    serve.add_argument(
-        "--request-body-timeout-s",
-        type=_positive_seconds,
-        default=120.0,
-        metavar="SECONDS",
-        help="a request's body must arrive whole this long after its headers, else 408 and the connection "
-        "closes: a client trickling bodies cannot hold connections open (default %(default)g; a 64 MiB "
-        "body then needs ~0.5 MB/s)",
-    )
-    serve.add_argument(
-        "--request-header-timeout-s",
-        type=_positive_seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="a request's head (request line and headers) must arrive whole this long after the connection "
-        "opens, or after the request's first byte on a kept-alive connection, else 408 and the connection "
-        "closes: a client that connects and sends nothing, or trickles headers, cannot hold connections "
-        "open (default %(default)g)",
-    )
+    _add_timeout_options(serve, body_default_s=120.0, body_note="a 64 MiB body then needs ~0.5 MB/s")
     serve.add_argument(
         "--send-timeout-s",
         type=_positive_seconds,
