@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from inflight.api.app import BackgroundServer
+    from inflight.api.compute import ServiceCompute
+    from inflight.api.db import Database
+    from inflight.api.futures import FutureStore
     from inflight.api.service import ServiceConfig
+    from inflight.api.worker import EngineWorker, WorkerConfig
     from inflight.envs.sandbox import SandboxLimits, SandboxResult
 
 
@@ -123,6 +127,64 @@ def sdk_server(config: ServiceConfig, **app_options: Any) -> Iterator[Background
         mp.setenv("HF_HUB_OFFLINE", "1")  # a base model named like a hub id is never looked up
         with BackgroundServer(create_app(config, **app_options)) as running:
             yield running
+
+
+def ready_models(db: Database, base_model: str, count: int, rank: int = 4) -> FutureStore:
+    """Session "s" and its `count` LoRA models "s:train:0".. of `base_model`, each as the worker finds it
+    after create_model: a ready row whose seq_id 0 (the creation) is done. Rows only: no adapter is
+    made. Returns the futures store over `db`."""
+    from inflight.api.db import ModelRow, SessionRow
+    from inflight.api.futures import FutureStore, RequestType
+
+    with db.write() as session:
+        session.add(SessionRow(session_id="s"))
+        session.flush()  # the models' foreign key needs the session row first
+        for i in range(count):
+            session.add(
+                ModelRow(
+                    model_id=f"s:train:{i}",
+                    session_id="s",
+                    model_seq_id=i,
+                    base_model=base_model,
+                    lora_rank=rank,
+                    lora_config={"rank": rank},
+                    status="ready",
+                )
+            )
+    store = FutureStore(db)
+    for i in range(count):
+        created = store.submit(f"s:train:{i}", 0, RequestType.CREATE_MODEL, b"{}")
+        assert store.claim_next(created.model_id) is not None
+        store.complete(created.request_id, b"{}")
+    return store
+
+
+@contextlib.contextmanager
+def live_worker(
+    compute: ServiceCompute, db: Database, state_dir: Path, config: WorkerConfig
+) -> Iterator[EngineWorker]:
+    """The service's worker over a real compute (its sampling engines started) and futures database, not
+    started: a test drives it round by round (`run_once`) or starts it. Stopped on the way out."""
+    from inflight.api.checkpoints import CheckpointStore
+    from inflight.api.jobs import BaseModelLimits
+    from inflight.api.sampler import build_sampler
+    from inflight.api.worker import EngineWorker
+
+    limits = {}
+    for name in compute.base_model_names():
+        info = compute.model_info(name)
+        limits[name] = BaseModelLimits(
+            vocab_size=int(info["vocab_size"]), max_context=int(info["max_context"])
+        )
+    sampler = build_sampler(compute.sampling_engines()).start()
+    worker = EngineWorker(
+        compute, sampler, db, CheckpointStore(db, state_dir / "checkpoints"), limits=limits, config=config
+    )
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        sampler.stop()
 
 
 def require_vllm_env() -> None:

@@ -26,14 +26,13 @@ import torch
 from sqlalchemy.exc import OperationalError
 from tinker.proto import tinker_public_pb2 as pb
 
+from conftest import live_worker
 from inflight.api import worker as worker_module
 from inflight.api.app import BackgroundServer, create_app
-from inflight.api.checkpoints import CheckpointStore
 from inflight.api.compute import ServiceCompute, ServiceComputeConfig
 from inflight.api.db import Database, SamplingSessionRow, SessionRow, sqlite_url
 from inflight.api.futures import FutureStore, RequestType
 from inflight.api.job_types import Datum, ForwardBackwardJob, LoraSpec, SampleJob
-from inflight.api.jobs import BaseModelLimits
 from inflight.api.sampler import build_sampler
 from inflight.api.service import ServiceConfig
 from inflight.api.worker import ORPHANED_ERROR, EngineWorker, WorkerConfig
@@ -180,21 +179,9 @@ def live(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[EngineWorker, F
                     base_model=BASE,
                 )
             )
-    info = engine.model_info(BASE)
-    sampler = build_sampler(engine.sampling_engines()).start()
-    worker = EngineWorker(
-        engine,
-        sampler,
-        db,
-        CheckpointStore(db, tmp_path / "checkpoints"),
-        limits={
-            BASE: BaseModelLimits(vocab_size=int(info["vocab_size"]), max_context=int(info["max_context"]))
-        },
-        config=WorkerConfig(housekeeping_interval_s=0.05, idle_poll_s=0.01),
-    )
-    yield worker, FutureStore(db), engine
-    worker.stop()
-    sampler.stop()
+    config = WorkerConfig(housekeeping_interval_s=0.05, idle_poll_s=0.01)
+    with live_worker(engine, db, tmp_path, config) as worker:
+        yield worker, FutureStore(db), engine
     db.close()
 
 

@@ -19,10 +19,10 @@ import tinker
 import torch
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from conftest import sdk_server
+from conftest import ready_models, sdk_server
 from inflight.api.app import BackgroundServer
 from inflight.api.checkpoints import CheckpointStore
-from inflight.api.db import Database, ModelRow, SamplingSessionRow, SessionRow, sqlite_url
+from inflight.api.db import Database, SamplingSessionRow, sqlite_url
 from inflight.api.futures import FutureStore, RequestType
 from inflight.api.job_types import (
     ForwardBackwardJob,
@@ -77,21 +77,8 @@ class RecordingSampler:
 @pytest.fixture
 def worker_setup(tmp_path: Path) -> Iterator[tuple[EngineWorker, FutureStore, RecordingEngine]]:
     db = Database(sqlite_url(tmp_path / "service.db"))
+    store = ready_models(db, BASE, count=TENANTS)
     with db.write() as session:
-        session.add(SessionRow(session_id="s"))
-        session.flush()  # the models' foreign key needs the session row first
-        for i in range(TENANTS):
-            session.add(
-                ModelRow(
-                    model_id=f"s:train:{i}",
-                    session_id="s",
-                    model_seq_id=i,
-                    base_model=BASE,
-                    lora_rank=4,
-                    lora_config={"rank": 4},
-                    status="ready",
-                )
-            )
         for i in range(2):
             session.add(
                 SamplingSessionRow(
@@ -101,11 +88,6 @@ def worker_setup(tmp_path: Path) -> Iterator[tuple[EngineWorker, FutureStore, Re
                     base_model=BASE,
                 )
             )
-    store = FutureStore(db)
-    for i in range(TENANTS):  # seq_id 0 of every model (its creation) is done
-        created = store.submit(f"s:train:{i}", 0, RequestType.CREATE_MODEL, b"{}")
-        assert store.claim_next(created.model_id) is not None
-        store.complete(created.request_id, b"{}")
     engine = RecordingEngine()
     worker = EngineWorker(
         engine,  # type: ignore[arg-type]
@@ -190,7 +172,7 @@ def test_heads_accepted_here_are_claimed_by_id_in_seq_id_order(worker_setup, mon
     worker, store, engine = worker_setup
     queries: list[int] = []
     query = worker.store.claim_ready
-    monkeypatch.setattr(worker.store, "claim_ready", lambda: queries.append(1) or query())
+    monkeypatch.setattr(worker.store, "claim_ready", lambda **kw: queries.append(1) or query(**kw))
     a, b = "s:train:0", "s:train:1"
     fb, opt = RequestType.FORWARD_BACKWARD, RequestType.OPTIM_STEP
 

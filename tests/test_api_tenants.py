@@ -27,12 +27,12 @@ from typing import Any
 import httpx
 import pytest
 import tinker
-from sqlalchemy import inspect
+from sqlalchemy import inspect, select
 
 from conftest import sample_body
 from inflight.api.app import BackgroundServer, create_app, load_compute
 from inflight.api.compute import ServiceCompute, ServiceComputeConfig
-from inflight.api.db import Database, ModelRow, SessionRow, sqlite_url
+from inflight.api.db import Database, FutureRow, ModelRow, SessionRow, sqlite_url
 from inflight.api.service import ServiceConfig, ServiceState
 from inflight.api.worker import WorkerConfig
 from inflight.auth import tenant_of
@@ -493,9 +493,9 @@ def test_one_key_queues_at_most_its_limit_and_the_rest_fail_naming_it(
 def test_one_training_request_holds_at_most_the_servers_tokens_per_pass(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The worker runs a pass to its end, so one key's forward_backward of a 64 MiB body (millions of
-    tokens) held every other key's training for minutes. A request past `max_tokens_per_train_request`
-    fails naming it, keeps its seq_id (the next request runs), and one within it trains as before."""
+    """One key's forward_backward of a 64 MiB body (millions of tokens) held every other key's training for
+    minutes. A request past `max_tokens_per_train_request` fails naming it, keeps its seq_id (the next
+    request runs), and one within it trains as before."""
     config = service_config(tmp_path, tiny_model_dir, [KEY_A]).model_copy(
         update={"max_tokens_per_train_request": 16}
     )
@@ -521,6 +521,47 @@ def test_one_training_request_holds_at_most_the_servers_tokens_per_pass(
         assert refused["category"] == "user", refused
         assert "holds 18 tokens" in refused["error"] and "max_tokens_per_train_request=16" in refused["error"]
         assert "json" not in forward_backward(2, 8).headers["content-type"]  # 16 tokens: trained
+
+
+def test_another_keys_forward_backward_finishes_while_a_large_one_runs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A request within `max_tokens_per_train_request` used to run to its end before another key's next one;
+    it now runs a slice of `max_train_tokens_per_round` tokens a round, and another key's request joins the
+    next round. Driven by the SDK: B's forward_backward, sent once A's has started, is done while A's still
+    runs, and A's answer lists every datum."""
+    config = service_config(tmp_path, tiny_model_dir, [KEY_A, KEY_B]).model_copy(
+        update={"max_train_tokens_per_round": 512}
+    )
+    with running(config) as server:
+        store = state_of(server).store
+        a = tinker.ServiceClient(base_url=server.url, api_key=KEY_A).create_lora_training_client(BASE, rank=4)
+        b = tinker.ServiceClient(base_url=server.url, api_key=KEY_B).create_lora_training_client(BASE, rank=4)
+        a, b = a.result(), b.result()
+        b.forward_backward([datum()], "cross_entropy").result()  # warm: the race below is not a first call
+        long_datum = types.Datum(
+            model_input=types.ModelInput.from_ints([5 + i % 50 for i in range(255)]),
+            loss_fn_inputs={"target_tokens": [6 + i % 50 for i in range(255)]},
+        )
+        large = a.forward_backward([long_datum] * 128, "cross_entropy")  # 32,640 tokens: 64 slices
+
+        def a_running() -> bool:
+            with store.db.read() as session:
+                running = select(FutureRow.request_id).where(
+                    FutureRow.tenant == tenant_of(KEY_A),
+                    FutureRow.request_type == "forward_backward",
+                    FutureRow.status == "running",
+                )
+                return session.execute(running).first() is not None
+
+        deadline = time.monotonic() + 60
+        while not a_running():
+            assert time.monotonic() < deadline, "A's forward_backward never started"
+            time.sleep(0.005)
+        b.forward_backward([datum()], "cross_entropy").result()
+        assert a_running(), "A's request finished first"
+        assert len(large.result().loss_fn_outputs) == 128
+        assert state_of(server).counters()["sliced_passes"] >= 1
 
 
 def test_a_tenants_share_of_the_engine_is_by_default_the_rows_it_decodes_together(

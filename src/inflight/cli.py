@@ -170,6 +170,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_models_per_key=args.max_models_per_key,
         max_queued_requests_per_key=args.max_queued_requests_per_key,
         max_tokens_per_train_request=args.max_tokens_per_train_request,
+        max_train_tokens_per_round=args.max_train_tokens_per_round,
         max_checkpoint_gib_per_key=args.max_checkpoint_gib_per_key,
         request_body_timeout_s=args.request_body_timeout_s,
         session_expiry_s=args.session_expiry_s,
@@ -441,9 +442,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_at_least_one,
         default=2**20,
         metavar="N",
-        help="tokens in one forward or forward_backward request; a pass runs to its end while other keys' "
-        "training waits, so a larger request fails, naming the limit (the tinker SDK splits a call into "
-        "requests of at most 5 MB, which stay under the default %(default)s)",
+        help="tokens in one forward or forward_backward request; a larger request fails, naming the limit "
+        "(the tinker SDK splits a call into requests of at most 5 MB, which stay under the default "
+        "%(default)s)",
+    )
+    serve.add_argument(
+        "--max-train-tokens-per-round",
+        type=_at_least_one,
+        default=16_384,
+        metavar="N",
+        help="tokens of one forward or forward_backward request the worker runs before other keys' "
+        "requests get their turn: a larger request runs in slices of whole datums, so another key's training "
+        "waits for one slice of it, not all of it (default %(default)s)",
     )
     serve.add_argument(
         "--max-checkpoint-gib-per-key",

@@ -179,6 +179,7 @@ def _start(
             max_num_samples=config.max_num_samples,
             max_topk_logprobs=config.max_topk_logprobs,
             session_expiry_s=config.session_expiry_s,
+            max_train_tokens_per_round=config.max_train_tokens_per_round,
         )
         if worker_config.max_samples_in_flight_per_tenant is None:  # a tenant's share: an engine's rows
             rows = min(placed.sampling_config(name).max_batch_size for name in base_models)
@@ -356,6 +357,7 @@ def serve(
     max_models_per_key: int = 64,
     max_queued_requests_per_key: int = 10_000,
     max_tokens_per_train_request: int = 2**20,
+    max_train_tokens_per_round: int = 16_384,
     max_checkpoint_gib_per_key: float | None = 50.0,
     request_body_timeout_s: float = 120.0,
     session_expiry_s: float = 600.0,
@@ -385,6 +387,7 @@ def serve(
         max_models_per_tenant=max_models_per_key,
         max_queued_requests_per_tenant=max_queued_requests_per_key,
         max_tokens_per_train_request=max_tokens_per_train_request,
+        max_train_tokens_per_round=max_train_tokens_per_round,
         max_checkpoint_bytes_per_key=_gib_bytes(max_checkpoint_gib_per_key),
         request_body_timeout_s=request_body_timeout_s,
         session_expiry_s=session_expiry_s,

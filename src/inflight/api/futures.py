@@ -230,9 +230,10 @@ class FutureStore:
         claimed = self.claim_ready(model_id).futures
         return claimed[0] if claimed else None
 
-    def claim_ready(self, model_id: str | None = None) -> ClaimedHeads:
+    def claim_ready(self, model_id: str | None = None, *, skip: Collection[str] = ()) -> ClaimedHeads:
         """Mark the head of every model whose next future in seq_id order is ready (or of `model_id`'s
-        only) running, and return them: one query to find them, one UPDATE to claim them.
+        only) running, and return them: one query to find them, one UPDATE to claim them. The models in
+        `skip` are left alone (a caller still running one of their requests over several rounds).
 
         A ready head stays ready until it leaves pending (every seq_id below it exists and none can return
         to pending), so the claim only has to re-check that it is still pending.
@@ -241,7 +242,7 @@ class FutureStore:
         # Look first under a shared read: an idle engine polling must not keep taking SQLite's write lock,
         # or submitters (whose busy handler backs off) starve behind it.
         with self.db.read_connection() as connection:
-            heads = connection.execute(query, params).all()
+            heads = [head for head in connection.execute(query, params).all() if head.model_id not in skip]
         if not heads:
             return ClaimedHeads([], more_queued=False)
         with self.db.write_connection() as connection:
@@ -584,9 +585,9 @@ def _check_seq_window(connection: Connection, model_id: str, seq_id: int, max_ah
 _FUTURES = cast(Table, FutureRow.__table__)
 
 
-def _ready_heads_query(*, one_model: bool) -> Select[tuple[int, int]]:
-    """(request_id, queued) of the models' ready heads (of the model bound as `model_id` if `one_model`),
-    `queued` counting the model's pending ordered futures, the head included.
+def _ready_heads_query(*, one_model: bool) -> Select[tuple[int, str, int]]:
+    """(request_id, model_id, queued) of the models' ready heads (of the model bound as `model_id` if
+    `one_model`), `queued` counting the model's pending ordered futures, the head included.
 
     A model's head is its lowest pending seq_id; it may run once every seq_id below it exists and has left
     pending (running, done, or failed, which a rejected or cancelled request can be out of order). seq_ids
@@ -624,7 +625,7 @@ def _ready_heads_query(*, one_model: bool) -> Select[tuple[int, int]]:
         else_=count_below == heads.c.seq_id - FIRST_SEQ_ID,
     )
     return (
-        select(futures.request_id, heads.c.queued)
+        select(futures.request_id, futures.model_id, heads.c.queued)
         .join(heads, (futures.model_id == heads.c.model_id) & (futures.seq_id == heads.c.seq_id))
         .where(ready)
         .order_by(futures.model_id)

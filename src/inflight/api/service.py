@@ -76,12 +76,15 @@ class ServiceConfig(BaseModel):
     # recorded as failed, naming the limit. The worker's claim looks over every pending sample, so one key
     # queueing 100,000 made each claim ~200 ms for all. A cookbook RL step queues one per group (~100).
     max_queued_requests_per_tenant: int = Field(default=10_000, ge=1)
-    # Tokens in one forward or forward_backward request. The worker runs a pass to its end, so the largest
-    # request bounds how long another key's training waits behind it. The tinker SDK splits a call into
+    # Tokens in one forward or forward_backward request: bounds the memory a request holds while it runs
+    # (its datums, its per-token outputs). The tinker SDK splits a call into
     # requests of at most 5 MB by its estimate, which counts >= 8 bytes a token (the input's 4, and the
     # targets' 4 as int32, 8 as the SDK's int64): at most 625,000 tokens, under this default, so an SDK
     # call is never refused; a raw body of 64 MiB could hold millions.
     max_tokens_per_train_request: int = Field(default=2**20, ge=1)
+    # Tokens of one forward/forward_backward request the worker runs in a round (WorkerConfig): a larger
+    # request runs a slice a round, so another key's training waits for one slice of it, not all of it.
+    max_train_tokens_per_round: int = Field(default=16_384, ge=1)
     # A session with no heartbeat and no request this long (its client died without closing it) is finished
     # and its models unloaded (WorkerConfig.session_expiry_s); the SDK heartbeats every 10 s.
     session_expiry_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)

@@ -4,7 +4,11 @@ One round (`run_once`), schedule -> execute -> update:
   1. claim the head of every model whose next seq_id is ready: one future per model per round, so each
      model's requests run strictly in seq_id order while different models advance together;
   2. run the heads that change a model or write files (create, load, optim_step, saves) one by one;
-  3. run the forward / forward_backward heads as ONE training pass per base model, across LoRA adapters;
+  3. run the forward / forward_backward heads as ONE training pass per base model, across LoRA adapters; a
+     request larger than `max_train_tokens_per_round` runs a slice of its datums a round
+     (`trainer/job_slices.py`), beside the next rounds' requests of other models, its own model's next
+     request waiting for its last slice: one key's large request no longer holds every other key's
+     training until it ends;
   4. settle the samples the engine finished, and hand the pending samples of every sampling session to the
      shared engine (`sampler.py`: one engine loop per base model, continuous batching across sessions and
      adapters). Samples finish asynchronously: a long one never holds up another tenant's training.
@@ -32,6 +36,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar
 
@@ -81,10 +86,12 @@ from inflight.api.schemas import (
     SaveWeightsResponse,
 )
 from inflight.errors import UserError
+from inflight.trainer.job_slices import job_tokens, merge_outputs, split_job
+from inflight.trainer.tinker_losses import prepare_job
 
 if TYPE_CHECKING:
     from inflight.api.compute import Compute
-    from inflight.api.job_types import ForwardBackwardJob, SampleOutput
+    from inflight.api.job_types import ForwardBackwardJob, ForwardBackwardOutput, SampleOutput
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,22 @@ _PASSES = (RequestType.FORWARD, RequestType.FORWARD_BACKWARD)
 # A sample future, its request, and what the engine made of it.
 _Sampled = tuple[Future, SampleRequest, "concurrent.futures.Future[SampleOutput]"]
 RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+@dataclass
+class _SlicedPass:
+    """A forward/forward_backward request over more than a round's share of tokens: a slice of its datums
+    runs each round; its future stays running (and its model's next request unclaimed) until the last."""
+
+    future: Future
+    job: ForwardBackwardJob
+    base_model: str
+    slices: deque[ForwardBackwardJob]  # not yet run, in order
+    outputs: list[ForwardBackwardOutput] = field(default_factory=list)
+
+
+# A pass's entry: the future, the job (or slice of it) to run now, and its sliced pass if it has one.
+_PassItem = tuple[Future, "ForwardBackwardJob", _SlicedPass | None]
 
 
 class WorkerConfig(BaseModel):
@@ -115,6 +138,12 @@ class WorkerConfig(BaseModel):
     default_max_tokens: int = Field(default=256, ge=1)
     max_num_samples: int = Field(default=256, ge=1)
     max_topk_logprobs: int = Field(default=64, ge=1)
+    # Tokens of one forward/forward_backward request a round runs (whole datums; at least one). A larger
+    # request runs over several rounds, so another key's request waits for one slice of it, not all: the
+    # tiny model trains ~40,000 tokens/s on 2 CPU cores, so a 2^20-token request held every other key's
+    # training for ~25 s. Smaller slices cost nothing in compute (each is still cut into micro-batches of
+    # the compute's own token budget) and one round of database work each (~1 ms).
+    max_train_tokens_per_round: int = Field(default=16_384, ge=1)
     # In-memory sampler snapshots kept per model (each RL step makes one); older ones are freed.
     max_snapshots_per_model: int = Field(default=8, ge=1)
     # Sampler checkpoints (tinker:// paths) kept loaded in the engines, the least recently sampled evicted
@@ -170,6 +199,7 @@ class EngineWorker:
         self._evicted: set[str] = set()
         self._base_of: dict[str, str] = {}
         self._held: set[str] = set()  # request ids claimed (marked running) and not yet settled
+        self._sliced: dict[str, _SlicedPass] = {}  # model_id -> its request running a slice a round
         # Ordered futures the routes of this process accepted, and per model the highest seq_id this worker
         # claimed: the fast path of `_claim_heads`.
         self._accepted: queue.SimpleQueue[Future] = queue.SimpleQueue()
@@ -284,6 +314,7 @@ class EngineWorker:
                 self._count("loop_errors")
                 log.exception("engine worker round failed; retrying")
                 self._held.clear()  # whatever the round had claimed and not settled is lost work now
+                self._sliced.clear()
                 self._fail_orphaned()
                 self._stop.wait(self.config.idle_poll_s)  # then retry everything, without spinning
                 self._hint(ordered=True, samples=True)
@@ -313,15 +344,20 @@ class EngineWorker:
                     passes[self._base_model(future.model_id)].append(future)
                 except Exception as err:
                     self._settle(future, err)
+        continued = len(self._sliced)
+        for sliced in self._sliced.values():
+            passes.setdefault(sliced.base_model, [])
         for base_model, group in passes.items():
             self._run_passes(base_model, group)
+        if self._sliced:  # their next slices run next round, without waiting for a wake-up
+            self._hint(ordered=True)
         sampled = self._settle_samples()
         room = self.config.max_sample_futures_in_flight - len(self._sampling)
         claimed_samples: list[Future] = []
         if samples and room > 0:  # more beyond `room` wait until the engine finishes some (`_on_sampled`)
             claimed_samples = self._claim_samples(room)
         self._apply_cancels()
-        return len(heads) + len(claimed_samples) + sampled
+        return len(heads) + continued + len(claimed_samples) + sampled
 
     def _claim_heads(self) -> ClaimedHeads:
         """The ready head of every model, marked running: at most one per model per round.
@@ -331,7 +367,9 @@ class EngineWorker:
         the predecessor was claimed), so it is claimed by id, without the ready-heads query: ~0.8 ms of a
         small request's ~10 ms overhead on 2 cores. Anything else (a model's first request, a predecessor
         that never ran, a second request of one model, another process's requests) is left to the query,
-        which runs whenever no accepted future qualifies and at least every `heads_query_interval_s`."""
+        which runs whenever no accepted future qualifies and at least every `heads_query_interval_s`.
+        A model whose request is still running a slice a round has no head claimed: its next request is
+        left to the query, after the last slice."""
         accepted: list[Future] = []
         with contextlib.suppress(queue.Empty):
             while True:
@@ -340,7 +378,7 @@ class EngineWorker:
         for future in accepted:
             model_id, seq_id = future.model_id, future.seq_id
             predecessor_ran = seq_id is not None and self._claimed_seq.get(model_id) == seq_id - 1
-            if predecessor_ran and model_id not in known:
+            if predecessor_ran and model_id not in known and model_id not in self._sliced:
                 known[model_id] = future
         now = time.monotonic()
         if known and now - self._heads_queried_at < self.config.heads_query_interval_s:
@@ -348,7 +386,7 @@ class EngineWorker:
             claimed = ClaimedHeads(heads, more_queued=len(accepted) > len(known))  # the rest: the query
         else:
             self._heads_queried_at = now
-            claimed = self.store.claim_ready()
+            claimed = self.store.claim_ready(skip=self._sliced.keys())
         for head in claimed.futures:
             if head.seq_id is not None:
                 self._claimed_seq[head.model_id] = head.seq_id
@@ -596,45 +634,83 @@ class EngineWorker:
     # -- batched passes and samples -------------------------------------------------------------------
 
     def _run_passes(self, base_model: str, futures: list[Future]) -> None:
-        """All forward/forward_backward heads of one base model, whatever their adapter: one compute call."""
-        batch: list[tuple[Future, ForwardBackwardJob]] = []
+        """One compute call for the base model: the next slice of each of its sliced requests, then its new
+        forward/forward_backward heads (the first slice of any over a round's share), whatever adapter."""
+        batch: list[_PassItem] = [
+            (sliced.future, sliced.slices.popleft(), sliced)
+            for sliced in self._sliced.values()
+            if sliced.base_model == base_model
+        ]
         for future in futures:
             try:
                 self._require_adapter(future.model_id)
                 message = parse_forward_backward(future.request_payload)
                 vocab_size = self._limits(base_model).vocab_size
-                batch.append((future, forward_backward_job(message, vocab_size=vocab_size)))
+                job = forward_backward_job(message, vocab_size=vocab_size)
             except Exception as err:
                 self._settle(future, err)
+                continue
+            slices = split_job(job, self.config.max_train_tokens_per_round)
+            if len(slices) == 1:
+                batch.append((future, job, None))
+                continue
+            sliced = _SlicedPass(future, job, base_model, deque(slices))
+            self._sliced[future.model_id] = sliced
+            self._count("sliced_passes")
+            batch.append((future, sliced.slices.popleft(), sliced))
         if batch:
             self._forward_backward(batch)
 
-    def _forward_backward(self, batch: list[tuple[Future, ForwardBackwardJob]]) -> None:
+    def _forward_backward(self, batch: list[_PassItem]) -> None:
         try:
-            results = self.compute.forward_backward([job for _, job in batch])
+            results: list[ForwardBackwardOutput | Exception] = self.compute.forward_backward(
+                [job for _, job, _ in batch]
+            )
         except UserError as err:
             # Per-job errors should come back in their slot; if the compute refused the whole batch up
             # front, run the jobs one by one so one bad request cannot fail its neighbours.
             if len(batch) == 1:
-                self._settle(batch[0][0], err)
+                self._pass_done(batch[0], err)
             else:
                 self._count("batches_split")
                 for item in batch:
                     self._forward_backward([item])
             return
         except Exception as err:
-            for future, _ in batch:
-                self._settle(future, err)
+            for item in batch:
+                self._pass_done(item, err)
             return
         self._count("fwdbwd_batches")
         self._count("fwdbwd_jobs", len(batch))
-        for (future, job), result in zip(batch, results, strict=True):
-            if job.backward and not isinstance(result, BaseException):
-                self.metrics.add_tokens("trained", sum(len(datum.input_tokens) for datum in job.data))
-            self._settle(
-                future,
-                result if isinstance(result, BaseException) else encode_forward_backward_output(result),
-            )
+        for item, result in zip(batch, results, strict=True):
+            self._pass_done(item, result)
+
+    def _pass_done(self, item: _PassItem, result: ForwardBackwardOutput | BaseException) -> None:
+        """Settle a pass's future, or keep a slice's output until its request's last slice has run."""
+        future, job, sliced = item
+        if not isinstance(result, BaseException) and job.backward:
+            self.metrics.add_tokens("trained", job_tokens(job))
+        if sliced is None:
+            outcome = result if isinstance(result, BaseException) else encode_forward_backward_output(result)
+            self._settle(future, outcome)
+            return
+        if not isinstance(result, BaseException):
+            sliced.outputs.append(result)
+            if sliced.slices:
+                return  # the next slice runs next round
+        # A failed slice fails the request; the slices before it keep their gradients, as the micro-batches
+        # before a fault in one pass do (compute.forward_backward).
+        del self._sliced[future.model_id]
+        self._hint(ordered=True)  # the model's next request may be queued
+        self._settle(future, result if isinstance(result, BaseException) else self._merged(sliced))
+
+    def _merged(self, sliced: _SlicedPass) -> Callable[[Future], bytes]:
+        def encode(_: Future) -> bytes:
+            limits = self._limits(sliced.base_model)
+            prepared = prepare_job(sliced.job, limits.vocab_size, limits.max_context)
+            return encode_forward_backward_output(merge_outputs(prepared, sliced.outputs))
+
+        return encode
 
     def _submit_samples(self, futures: list[Future]) -> None:
         """Hand each sample to the engine; it comes back through `_sampled` when its last sequence ends."""
