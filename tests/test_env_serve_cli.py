@@ -2,12 +2,15 @@
 use or unresolvable, a session limit below 1, a public bind without a key, a blank key); the line printed
 names the port bound (`--port 0`); with a key every route but /health, the /ws handshake included, needs it,
 which inflight's OpenEnv client sends from $INFLIGHT_ENV_API_KEY (openenv-core's own client sends no
-headers); request bodies are bounded (413) and a 422 never echoes a large input; a /ws client that leaves
-without OpenEnv's close message costs the log no traceback.
+headers); request bodies are bounded (413) and a 422 never echoes a large input, and /ws messages by the same
+bound (1009); a /ws client that leaves without OpenEnv's close message costs the log no traceback; a silent
+/ws session is closed after `--session-idle-timeout-s`, freeing its slot; a /mcp request holding a lone
+surrogate is a 400, not a 500.
 
 Reference: the QA pass on `env serve` (`--port 70000` printed one port and listened on another, `--port 0`
 printed `:0`, a port in use printed "serving" then a uvicorn error, `--max-sessions 0` a traceback, a public
-bind needed no key, and a 50 MB /reset body came back whole in the 422), and `inflight serve-engine`,
+bind needed no key, and a 50 MB /reset body came back whole in the 422), its "Not promised" list in
+docs/security.md (no idle timeout, 16 MiB /ws messages, a 500 from /mcp), and `inflight serve-engine`,
 whose checks these mirror.
 """
 
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from conftest import one_line_error
@@ -37,6 +40,8 @@ from inflight.errors import UserError
 KEY = "a-key-for-the-tests"
 API_KEY_ENV = "INFLIGHT_ENV_API_KEY"  # as documented (docs/environments.md, docs/security.md)
 START_TIMEOUT_S = 120.0  # a cold server imports openenv-core (Gradio): seconds, more on a loaded machine
+IDLE_TIMEOUT_S = 1.0  # --session-idle-timeout-s of `one_session_server`
+MAX_BODY_BYTES = 2**20  # OpenEnvServerConfig.max_body_bytes's default: HTTP bodies and /ws messages
 
 
 @pytest.fixture
@@ -101,8 +106,24 @@ class Served:
 def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """`inflight env serve blackjack --port 0 --api-key KEY`, as a user starts it; its URL from the line it
     prints."""
+    with _serving(tmp_path_factory, "--api-key", KEY) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def one_session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`inflight env serve blackjack --port 0 --max-sessions 1 --session-idle-timeout-s 1`, on loopback
+    without a key: one silent client would hold the only slot."""
+    flags = ["--max-sessions", "1", "--session-idle-timeout-s", f"{IDLE_TIMEOUT_S:g}"]
+    with _serving(tmp_path_factory, *flags) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _serving(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Iterator[Served]:
+    """`inflight env serve blackjack --port 0 FLAGS` in a subprocess, until the block ends."""
     log = tmp_path_factory.mktemp("env-serve") / "server.log"
-    cmd = [sys.executable, "-m", "inflight.cli", "env", "serve", "blackjack", "--port", "0", "--api-key", KEY]
+    cmd = [sys.executable, "-m", "inflight.cli", "env", "serve", "blackjack", "--port", "0", *flags]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"OMP_NUM_THREADS": "1"}
@@ -240,3 +261,91 @@ def test_no_input_quoted_back_makes_an_answer_fail(keyed_url: str) -> None:
             [error] = strict["detail"]
             assert quoted in json.dumps(error["input"]), (body, error)
         assert http.post("/reset", json={"seed": 1}).status_code == 200
+
+
+def test_a_silent_ws_session_is_closed_and_its_slot_freed(one_session_server: Served) -> None:
+    """With --max-sessions 1, one client that opened a /ws session and then sent nothing held the only slot
+    for good: nobody else could play. Now the server closes a session whose client sends no message for
+    --session-idle-timeout-s (1 s here), with code 1001 and a reason naming the option, after freeing its
+    slot, so a new session plays at once. A session that keeps sending is never closed."""
+    ws_url = one_session_server.url.replace("http://", "ws://") + "/ws"
+    logged_before = len(one_session_server.log.read_text())
+    with connect(ws_url, open_timeout=10) as talking:
+        talking.send('{"type": "reset", "data": {"seed": 1}}')
+        assert '"observation"' in str(talking.recv(timeout=10))
+        talking_since = time.monotonic()
+        while time.monotonic() - talking_since < 3 * IDLE_TIMEOUT_S:  # three timeouts' worth, never idle 1 s
+            time.sleep(IDLE_TIMEOUT_S / 4)
+            talking.send('{"type": "state"}')
+            assert json.loads(talking.recv(timeout=10))["type"] == "state"
+        talking.send('{"type": "close"}')  # OpenEnv's close: the server frees the session, then closes
+        with pytest.raises(ConnectionClosed) as ended:
+            talking.recv(timeout=10)
+        assert ended.value.rcvd is not None and ended.value.rcvd.code == 1000, ended.value
+    with connect(ws_url, open_timeout=10) as silent:  # never sends a message
+        silent_since = time.monotonic()
+        with pytest.raises(ConnectionClosed) as closed:
+            silent.recv(timeout=IDLE_TIMEOUT_S + 20)
+        waited_s = time.monotonic() - silent_since
+    assert closed.value.rcvd is not None, closed.value
+    assert closed.value.rcvd.code == 1001 and "--session-idle-timeout-s" in closed.value.rcvd.reason
+    assert "idle timeout" in closed.value.rcvd.reason and waited_s > IDLE_TIMEOUT_S / 2, (
+        closed.value,
+        waited_s,
+    )
+    with connect(ws_url, open_timeout=10) as next_client:  # the only slot is free already: no retry
+        next_client.send('{"type": "reset", "data": {"seed": 2}}')
+        assert '"observation"' in str(next_client.recv(timeout=10))
+        next_client.send('{"type": "close"}')
+        with pytest.raises(ConnectionClosed):
+            next_client.recv(timeout=10)
+    logged = one_session_server.log.read_text()[logged_before:]
+    assert "Traceback" not in logged, logged
+
+
+def test_a_ws_message_over_the_body_limit_closes_only_its_connection(keyed_server: Served) -> None:
+    """A /ws message could be as large as uvicorn's 16 MiB, 16 times what an HTTP body may be. Now one past
+    `max_body_bytes` (1 MiB) closes its connection with 1009 (message too big); one at the bound is read,
+    and the server's other sessions play on."""
+    ws_url = keyed_server.url.replace("http://", "ws://") + "/ws"
+    headers = {"X-API-Key": KEY}
+    logged_before = len(keyed_server.log.read_text())
+    with connect(ws_url, open_timeout=10, additional_headers=headers) as other:
+        other.send('{"type": "reset", "data": {"seed": 1}}')
+        assert '"observation"' in str(other.recv(timeout=10))
+        other.send("x" * MAX_BODY_BYTES)  # at the bound: read, and answered (it is not JSON)
+        assert "INVALID_JSON" in str(other.recv(timeout=30))
+        with connect(ws_url, open_timeout=10, additional_headers=headers) as big:
+            big.send("x" * (MAX_BODY_BYTES + 1))
+            with pytest.raises(ConnectionClosed) as closed:
+                big.recv(timeout=30)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+        other.send('{"type": "step", "data": {"text": "stand"}}')
+        assert '"observation"' in str(other.recv(timeout=10))
+    logged = keyed_server.log.read_text()[logged_before:]
+    assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged
+
+
+def test_a_mcp_request_holding_a_lone_surrogate_is_a_400(keyed_server: Served) -> None:
+    """openenv-core's /mcp echoes a JSON-RPC request's id (and, in some errors, its method) into its answer;
+    one holding a lone surrogate (the JSON text "\\ud800": well-formed, but no character) could not be
+    encoded: a 500 and a traceback in the server's log. Now such a request is a 400 that says why, in ASCII
+    JSON; valid non-ASCII strings (a surrogate pair among them) still pass."""
+    headers = {"X-API-Key": KEY, "content-type": "application/json"}
+    logged_before = len(keyed_server.log.read_text())
+    with httpx.Client(base_url=keyed_server.url, trust_env=False, headers=headers, timeout=60) as http:
+        for body in (
+            '{"jsonrpc": "2.0", "id": "\\ud800", "method": "tools/list"}',
+            '{"jsonrpc": "2.0", "id": 1, "method": "\\udfff"}',
+        ):
+            answer = http.post("/mcp", content=body)
+            assert answer.status_code == 400 and answer.content.isascii(), (body, answer.text)
+            assert "lone surrogate" in answer.json()["detail"], answer.text
+        for body, echoed in (
+            ('{"jsonrpc": "2.0", "id": "\\u00e9", "method": "tools/list"}', "\u00e9"),
+            ('{"jsonrpc": "2.0", "id": "\\ud83d\\ude00", "method": "tools/list"}', "\U0001f600"),
+        ):
+            answer = http.post("/mcp", content=body)
+            assert answer.status_code == 200 and answer.json()["id"] == echoed, (body, answer.text)
+    logged = keyed_server.log.read_text()[logged_before:]
+    assert "Traceback" not in logged, logged

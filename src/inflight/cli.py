@@ -288,6 +288,7 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
             api_keys=api_keys,
             request_header_timeout_s=args.request_header_timeout_s,
             request_body_timeout_s=args.request_body_timeout_s,
+            session_idle_timeout_s=args.session_idle_timeout_s,
         ),
     )
     return 0
@@ -613,7 +614,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an inflight environment with OpenEnv's HTTP + WebSocket protocol",
         description="Serve a registered environment with OpenEnv's protocol (HTTP /reset /step /state "
         "/health and /ws sessions), e.g. for `inflight run TASK env.name=openenv:URL`. Beyond loopback it "
-        "needs an API key (docs/security.md). Bad input is one line on stderr and exit code 2.",
+        "needs an API key (docs/security.md). Request bodies and /ws messages are at most 1 MiB (a larger "
+        "/ws message closes its connection, code 1009). Bad input is one line on stderr and exit code 2.",
     )
     env_serve.add_argument("name", help="environment name, e.g. blackjack")
     env_serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
@@ -638,6 +640,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="concurrent /ws episodes (a run needs prompts x group size)",
     )
     _add_timeout_options(env_serve, body_default_s=30.0, body_note="bodies are at most 1 MiB")
+    env_serve.add_argument(
+        "--session-idle-timeout-s",
+        type=_positive_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="a WebSocket session (/ws) whose client sends no message this long while the server waits for "
+        "one is closed (code 1001, the reason naming this option) and its env and slot freed: clients that "
+        "connect and stay silent cannot hold every --max-sessions slot (default %(default)g)",
+    )
     env_serve.set_defaults(func=_cmd_env_serve)
 
     model = sub.add_parser("model", help="build models")

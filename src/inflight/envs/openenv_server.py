@@ -29,6 +29,12 @@ them. Our Action/Observation models mirror OpenEnv's (same `metadata`, `done`, `
   bounded (`max_body_bytes`: 413 past it), since HTTP /reset and /step parse theirs whole, and a
   request's head and its body must each arrive in time (`request_header_timeout_s`,
   `request_body_timeout_s`: 408 past them);
+- how long a session lasts: a WebSocket session (/ws, /mcp) whose client sends no message for
+  `session_idle_timeout_s` is ended (`SessionIdleTimeout`), so silent clients cannot hold every one of
+  `max_sessions` slots; a WebSocket message past `max_body_bytes` closes its connection (1009, uvicorn's
+  `ws_max_size`), as an HTTP body that large is refused;
+- a /mcp request holding a lone surrogate (`"\\ud800"`, which has no UTF-8 form) is a 400
+  (`LoneSurrogatesRefused`): openenv-core's route echoes its id into an answer it then cannot encode;
 - a /ws client that leaves without OpenEnv's close message ends its session quietly
   (`QuietDisconnects`), not with uvicorn's traceback.
 Cost: importing openenv-core's server takes ~6 s (it pulls in Gradio and fastmcp), once per server.
@@ -36,6 +42,7 @@ Cost: importing openenv-core's server takes ~6 s (it pulls in Gradio and fastmcp
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -46,7 +53,7 @@ from typing import TYPE_CHECKING, Any, cast, get_args, get_origin
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect
 
 import inflight
@@ -70,6 +77,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})  # open with keys too: what readiness probes and launchers poll
+JSON_RPC_PATHS = frozenset({"/mcp"})  # openenv-core's HTTP JSON-RPC route: it echoes a request's id back
 INPUT_QUOTED_CHARS = 200  # of a rejected input, in a 422: enough to recognise it, never a body's worth
 
 
@@ -88,6 +96,9 @@ class OpenEnvServerConfig(BaseModel):
     # handshake's included (408 past it; `inflight.connections`): a client that connected and sent nothing
     # held a connection and a file descriptor for good.
     request_header_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # A WebSocket session whose client sends nothing this long while the server waits for its next message
+    # is closed and its env and slot freed: a silent client held one of `max_sessions` for good.
+    session_idle_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
 
 
 class QuietDisconnects:
@@ -109,6 +120,102 @@ class QuietDisconnects:
             await self.app(scope, receive, send)
         except WebSocketDisconnect as exc:
             log.debug("a %s client went away (close code %s)", scope["path"], exc.code)
+
+
+class SessionIdleTimeout:
+    """Ends a WebSocket session (/ws, /mcp) whose client sent no message for `idle_timeout_s` while the
+    server waited for one; time the server spends on a message (a slow step) never counts. Each session
+    holds one of `max_sessions` slots and its env until its socket closes, so clients that connect and
+    then stay silent could hold every slot for good. openenv-core's own reaper (`session_timeout`) closes
+    an idle session's env but leaves its socket open.
+
+    Ordering contract: at the deadline the app is told the client left (a disconnect, as if it had), so
+    openenv-core frees the session (`_destroy_session`) exactly as it does for a client that leaves, and only
+    then closes the socket; that close is sent with `CLOSE_CODE` and a reason naming the limit. A client
+    told of the close may therefore open another session at once."""
+
+    CLOSE_CODE = 1001  # "going away": what WebSocket gateways (e.g. AWS API Gateway) send on an idle timeout
+
+    def __init__(self, app: ASGIApp, idle_timeout_s: float) -> None:
+        self.app = app
+        self.idle_timeout_s = idle_timeout_s
+        # At most 123 bytes (a close frame's limit).
+        self.reason = f"idle timeout: no message for {idle_timeout_s:g} s (--session-idle-timeout-s)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket":
+            await self.app(scope, receive, send)
+            return
+        accepted = timed_out = closed = False
+
+        async def receive_in_time() -> Message:
+            nonlocal timed_out
+            if not accepted:  # the handshake's own message, already there
+                return await receive()
+            try:
+                async with asyncio.timeout(self.idle_timeout_s):
+                    return await receive()  # cancelling uvicorn's receive (a queue's get) loses nothing
+            except TimeoutError:
+                timed_out = True
+                log.info("closing an idle %s session: %s", scope["path"], self.reason)
+                return {"type": "websocket.disconnect", "code": self.CLOSE_CODE, "reason": self.reason}
+
+        async def send_noting(message: Message) -> None:
+            nonlocal accepted, closed
+            if message["type"] == "websocket.accept":
+                accepted = True
+            elif message["type"] == "websocket.close":
+                closed = True
+                if timed_out:
+                    message = {**message, "code": self.CLOSE_CODE, "reason": self.reason}
+            await send(message)
+
+        await self.app(scope, receive_in_time, send_noting)
+        if timed_out and not closed:  # an app that returns without closing: the client still hears why
+            await send({"type": "websocket.close", "code": self.CLOSE_CODE, "reason": self.reason})
+
+
+class LoneSurrogatesRefused:
+    """400 for a request to `paths` (openenv-core's HTTP /mcp) whose JSON holds a lone surrogate: the JSON
+    text `"\\ud800"` is well-formed but names no character, so the string has no UTF-8 form. openenv-core's
+    route echoes the request's `id` (and its `method`, in some errors) into its answer, whose encoding then
+    failed (FastAPI's `serialize_response`): a 500 and a traceback. The body read here is whole and bounded
+    (it runs inside BodySizeLimitMiddleware); any other body, JSON or not, goes on unchanged."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str] = JSON_RPC_PATHS) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body: nobody to answer
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if _has_lone_surrogate(body):
+            detail = (
+                "the request's JSON holds a lone surrogate (an escape such as \\ud800 not part of a pair), "
+                "which names no character: send only valid Unicode strings"
+            )
+            await AsciiJSONResponse(status_code=400, content={"detail": detail})(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class EnvRaised(RuntimeError):
@@ -178,7 +285,7 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
     )
     # The server's type hints name openenv's own base classes; ours have the same fields and the server
     # only calls pydantic methods on them (see the module docstring).
-    # No idle timeout: openenv-core's reaper closes an idle session's env but not its socket.
+    # No reaper: it closes an idle session's env but not its socket (SessionIdleTimeout ends both).
     sessions = ConcurrencyConfig(max_concurrent_envs=config.max_sessions, session_timeout=None)
     app = create_fastapi_app(
         new_session_env, cast(Any, action_cls), cast(Any, observation_cls), concurrency_config=sessions
@@ -186,9 +293,12 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
     app.title = f"inflight env {name} (OpenEnv protocol)"
     # `serve` gives uvicorn this protocol: a deadline on each request's head (middleware cannot set one).
     app.state.http_protocol = deadline_protocol(config.request_header_timeout_s)
+    # Later added, earlier run: a /mcp body is bounded before LoneSurrogatesRefused reads it.
+    app.add_middleware(LoneSurrogatesRefused)
     app.add_middleware(
         BodySizeLimitMiddleware, max_bytes=config.max_body_bytes, body_timeout_s=config.request_body_timeout_s
     )
+    app.add_middleware(SessionIdleTimeout, idle_timeout_s=config.session_idle_timeout_s)
     app.add_middleware(QuietDisconnects)
     if config.api_keys:  # added last, so it runs first: no body of a request without a key is read
         keys = check_api_keys(config.api_keys)
@@ -254,7 +364,16 @@ def serve(
         bound = sock.getsockname()[1]
         url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
         print(f"inflight: serving env {name!r} with OpenEnv's protocol at {url} (/ws sessions)", flush=True)
-        serve_on(sock, app, host, bound, log_level="warning", http=app.state.http_protocol)
+        serve_on(
+            sock,
+            app,
+            host,
+            bound,
+            log_level="warning",
+            http=app.state.http_protocol,
+            # A WebSocket message is bounded as an HTTP body is; past it uvicorn closes the connection (1009).
+            ws_max_size=config.max_body_bytes,
+        )
 
 
 def _raised(name: str, method: str, error: Exception) -> EnvRaised:
@@ -286,6 +405,18 @@ def _clipped(errors: Sequence[Any]) -> list[Any]:
                 error = {**error, "input": quoted}
         clipped.append(error)
     return clipped
+
+
+def _has_lone_surrogate(body: bytes) -> bool:
+    """Whether `body` is JSON one of whose strings (or keys) has no UTF-8 form. Not JSON (or too deeply
+    nested to parse): False, and the route answers it as it answers any bad body."""
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    except (ValueError, RecursionError):
+        return False
+    return False
 
 
 def _finite(value: Any) -> bool:
