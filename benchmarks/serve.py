@@ -23,7 +23,11 @@ process, as users run it (no floor then). --queue-history N times the worker's c
 request on a fresh futures queue and after N earlier requests of that model (`claim_ms_fresh`,
 `claim_ms_after_history`): the per-request cost must not grow over a long session; and its look for the
 samples to claim with one pending, then behind another tenant's N pending (`sample_look_ms_fresh`,
-`sample_look_ms_behind_backlog`): one tenant's backlog must not slow every claim.
+`sample_look_ms_behind_backlog`): one tenant's backlog must not slow every claim. --behind-tokens N
+times another key's small forward_backward (one datum of --tokens) submitted 0.5 s after one key's
+forward_backward of N tokens (datums of 256), through the service's worker on its own thread, twice each
+way, alternating: sliced as the service runs it (`wait_behind_large_s`, a slice of twice the compute's
+micro-batch a round) and with slicing off, as before it (`wait_behind_large_unsliced_s`; medians).
 Run: `inflight bench serve [--adapters 8 --datums 2 --tokens 64 --dtype auto]` (default model: the tiny
 preset, built locally; dtype as `inflight serve --dtype`, reported in the JSON).
 """
@@ -122,6 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="also time the futures queue's claim (SQLite) after this many earlier requests of one model "
         "against a fresh queue, and the look for samples behind another tenant's N pending: claim_ms_fresh, "
         "claim_ms_after_history, sample_look_ms_fresh, sample_look_ms_behind_backlog (0 = skip)",
+    )
+    parser.add_argument(
+        "--behind-tokens",
+        type=at_least(0),
+        default=0,
+        help="also time another key's small forward_backward behind one of N tokens, sliced and not: "
+        "wait_behind_large_s, wait_behind_large_unsliced_s (0 = skip)",
     )
     parser.add_argument("--model", default=None, help="HF model dir or hub id (default: the tiny preset)")
     args = parser.parse_args(argv)
@@ -226,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     if args.queue_history > 0:
         result.update(measure_queue_claims(args.queue_history))
+    if args.behind_tokens > 0:
+        result.update(measure_wait_behind_large(compute, args.behind_tokens, args.tokens))
     print(json.dumps(result))
     return result
 
@@ -283,6 +296,132 @@ def measure_queue_claims(history: int, samples: int = 50) -> dict[str, Any]:
         "sample_look_ms_fresh": round(statistics.median(alone), 3),
         "sample_look_ms_behind_backlog": round(statistics.median(behind), 3),
     }
+
+
+def measure_wait_behind_large(compute: Any, large_tokens: int, small_tokens: int) -> dict[str, Any]:
+    """Seconds until another key's small forward_backward finishes when it was submitted 0.5 s after one
+    key's large one, through `EngineWorker` on its own thread (SQLite in a temporary directory), sliced as
+    the service runs it and with slicing off; two of each, alternating, medians."""
+    from inflight.api.jobs import BaseModelLimits
+
+    info = compute.model_info("bench")
+    limits = {"bench": BaseModelLimits(int(info["vocab_size"]), int(info["max_context"]))}
+    slice_tokens = 2 * compute.max_batch_tokens  # the service's default (api/app.py)
+    waits: dict[str, list[float]] = {"sliced": [], "unsliced": []}
+    large_s: list[float] = []
+    for run, mode in enumerate(["sliced", "unsliced", "unsliced", "sliced"]):
+        rounds = slice_tokens if mode == "sliced" else None
+        with _worker_over(compute, limits, run, rounds) as (worker, models):
+            large = _submit_forward_backward(worker, models[0], large_tokens)
+            large_at = time.monotonic()
+            time.sleep(0.5)
+            small = _submit_forward_backward(worker, models[1], small_tokens)
+            small_at = time.monotonic()
+            done = _finish_times(worker, {"large": large.request_id, "small": small.request_id})
+            waits[mode].append(done["small"] - small_at)
+            large_s.append(done["large"] - large_at)
+    return {
+        "behind_tokens": large_tokens,
+        "behind_slice_tokens": slice_tokens,
+        "wait_behind_large_s": round(statistics.median(waits["sliced"]), 3),
+        "wait_behind_large_unsliced_s": round(statistics.median(waits["unsliced"]), 3),
+        "large_request_s": round(statistics.median(large_s), 3),
+    }
+
+
+@contextlib.contextmanager
+def _worker_over(
+    compute: Any, limits: dict[str, Any], run: int, slice_tokens: int | None
+) -> Iterator[tuple[Any, list[str]]]:
+    """A started worker over `compute` and a fresh futures database holding two ready models of one session
+    (adapters made for them, removed after)."""
+    from inflight.api.checkpoints import CheckpointStore
+    from inflight.api.db import Database, ModelRow, SessionRow
+    from inflight.api.futures import FIRST_SEQ_ID, RequestType
+    from inflight.api.job_types import LoraSpec
+    from inflight.api.sampler import build_sampler
+    from inflight.api.worker import EngineWorker, WorkerConfig
+
+    session_id = f"behind{run}"
+    models = [f"{session_id}:train:0", f"{session_id}:train:1"]
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-serve-behind-") as tmp:
+        database = Database(f"sqlite:///{tmp}/state.db")
+        with database.write() as session:
+            session.add(SessionRow(session_id=session_id))
+            session.flush()
+            for i, model_id in enumerate(models):
+                row = ModelRow(
+                    model_id=model_id,
+                    session_id=session_id,
+                    model_seq_id=i,
+                    base_model="bench",
+                    lora_rank=8,
+                    lora_config={"rank": 8},
+                    status="ready",
+                )
+                session.add(row)
+        sampler = build_sampler(compute.sampling_engines()).start()
+        config = WorkerConfig(max_train_tokens_per_round=slice_tokens)
+        store = CheckpointStore(database, Path(tmp))
+        worker = EngineWorker(compute, sampler, database, store, limits=limits, config=config)
+        for model_id in models:
+            compute.create_adapter(model_id, "bench", LoraSpec(rank=8, seed=0))
+            created = worker.store.submit(model_id, FIRST_SEQ_ID, RequestType.CREATE_MODEL, b"{}")
+            worker.store.claim_next(model_id)
+            worker.store.complete(created.request_id, b"{}")
+        worker.start()
+        try:
+            yield worker, models
+        finally:
+            worker.stop()
+            sampler.stop()
+            for model_id in models:
+                compute.delete_adapter(model_id)
+            database.close()
+
+
+def _finish_times(worker: Any, request_ids: dict[str, str], timeout_s: float = 600) -> dict[str, float]:
+    """time.monotonic() at which each request was seen finished; raises if one failed."""
+    finished: dict[str, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(finished) < len(request_ids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests not finished within {timeout_s:g} s: {request_ids}")
+        for name, request_id in request_ids.items():
+            future = worker.store.get(request_id)
+            if name not in finished and future.finished:
+                if future.status != "done":
+                    raise RuntimeError(f"the {name} request failed: {future.error}")
+                finished[name] = time.monotonic()
+        time.sleep(0.005)
+    return finished
+
+
+def _submit_forward_backward(worker: Any, model_id: str, tokens: int) -> Any:
+    """A cross_entropy forward_backward of `tokens` tokens (datums of up to 256) as the routes queue it."""
+    import tinker
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from inflight.api.futures import FIRST_SEQ_ID, RequestType
+
+    types = tinker.types
+    lengths = [256] * (tokens // 256) + ([tokens % 256] if tokens % 256 else [])
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5 + j % 50 for j in range(n)]),
+            loss_fn_inputs={"target_tokens": [6 + j % 50 for j in range(n)]},
+        )
+        for n in lengths
+    ]
+    request = types.ForwardBackwardRequest(
+        model_id=model_id,
+        seq_id=FIRST_SEQ_ID + 1,
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+    )
+    payload = forward_backward_request_to_proto(request).SerializeToString()
+    future = worker.store.submit(model_id, FIRST_SEQ_ID + 1, RequestType.FORWARD_BACKWARD, payload)
+    worker.wake(RequestType.FORWARD_BACKWARD, future)
+    return future
 
 
 # ---- API overhead and checkpoint round trip -------------------------------------------------------------

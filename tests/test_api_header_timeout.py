@@ -4,12 +4,15 @@ Reference: Slowloris, and uvicorn issue #157 (its "--timeout-request-start" neve
 head, so a client that connected and sent nothing, or trickled its headers a byte at a time, held its
 connection and a file descriptor for good. Now it gets a 408 naming the option and is closed; a head that
 arrives in time is never cut off, however long its body (within the body timeout) or its answer (a
-long-poll) takes, and a kept-alive connection serves request after request. Real sockets against the real
-app and protocol on loopback; every wait is bounded.
+long-poll) takes, and a kept-alive connection serves request after request. Connections open at once are
+capped too (`--max-connections`): they were bounded only by the file descriptors, which a flood took from the
+database and checkpoints; one past the cap gets a 503 at once, counted in /metrics. Real sockets against the
+real app and protocol on loopback; every wait is bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -21,10 +24,14 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
+import inflight.api.app
 from conftest import read_until_closed, sdk_server
 from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig
+from inflight.cli import main
+from inflight.connections import default_max_connections
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +41,12 @@ LONG_POLL_HOLD_S = 2.5  # a slow answer: longer than the head's deadline
 KEEP_ALIVE_S = 5  # uvicorn's default timeout_keep_alive, which BackgroundServer keeps
 WAIT_S = 10.0  # the most any one read waits: a test that would hang fails instead
 HEALTHZ = b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+MAX_CONNECTIONS = 3
+# The capped server's head deadline: past the steps a test takes before it, short enough to wait out.
+CAPPED_HEADER_TIMEOUT_S = 5.0
+# How long a slot may take to free after its connection closed (the server sees the close a moment after
+# the client makes it): well within the head's deadline, so that no slot freed by that deadline counts.
+SLOT_FREED_WITHIN_S = CAPPED_HEADER_TIMEOUT_S / 2
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +267,117 @@ def test_a_body_sent_slowly_within_its_own_deadline_is_not_cut_off(server: Backg
             client.sendall(body[start : start + len(body) // 3 + 1])
         status, answer = read_response(client)
     assert status == 200 and json.loads(answer)["session_id"], answer
+
+
+@pytest.fixture
+def capped_server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[BackgroundServer]:
+    config = ServiceConfig(
+        base_models={BASE: str(tiny_model_dir)},
+        state_dir=tmp_path,
+        request_header_timeout_s=CAPPED_HEADER_TIMEOUT_S,
+        max_connections=MAX_CONNECTIONS,
+    )
+    with sdk_server(config) as running:
+        yield running
+
+
+def assert_refused_at_once(server: BackgroundServer) -> None:
+    """A connection past the cap: a 503 naming the option, with Retry-After (the tinker SDK waits that long,
+    then retries), and closed before the client sends a byte."""
+    with connect(server) as refused:
+        started = time.monotonic()
+        answer = read_until_closed(refused, within_s=WAIT_S)
+        seconds = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+    assert b"retry-after: 5\r\n" in answer and b"connection: close\r\n" in answer, answer
+    assert b"--max-connections" in answer, answer
+    assert seconds < CAPPED_HEADER_TIMEOUT_S / 2, seconds  # at once, not at the head's deadline
+
+
+def served_once_a_slot_frees(server: BackgroundServer) -> tuple[socket.socket, int]:
+    """A new connection answered /api/v1/healthz with a 200 and kept open, and the 503s before it: a slot
+    frees once the server has seen its connection close, a moment after the client's close: until then
+    a new one gets the 503, for at most SLOT_FREED_WITHIN_S."""
+    deadline = time.monotonic() + SLOT_FREED_WITHIN_S
+    refusals = 0
+    while True:
+        sock = connect(server)
+        with contextlib.suppress(OSError):  # refused and closed already: its 503 is still there to read
+            sock.sendall(HEALTHZ)
+        try:
+            status, answer = read_response(sock)
+        except ConnectionResetError:  # the request reached a refused connection's closed socket
+            status, answer = 503, b"reset after a refusal"
+        if status == 200:
+            return sock, refusals
+        sock.close()
+        refusals += 1
+        assert status == 503 and time.monotonic() < deadline, answer
+        time.sleep(0.05)
+
+
+def refused_connections(sock: socket.socket) -> float:
+    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, metrics = read_response(sock)
+    assert status == 200, metrics
+    pattern = rb'(?m)^inflight_http_connections_closed_total\{reason="too_many_connections"\} (\S+)$'
+    found = re.search(pattern, metrics)
+    assert found is not None, metrics
+    return float(found.group(1))
+
+
+def test_a_connection_past_max_connections_gets_a_503_at_once_and_closes_free_their_slots(
+    capped_server: BackgroundServer,
+) -> None:
+    """Held idle connections take every slot; one more is refused unparsed and counted; a slot frees when a
+    connection closes, by its client or at the head's deadline, and the count stays exact through it all."""
+    held = [connect(capped_server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        assert_refused_at_once(capped_server)
+        held.pop(0).close()
+        served, refusals = served_once_a_slot_frees(capped_server)
+        with served:
+            assert refused_connections(served) == 1 + refusals
+            assert_refused_at_once(capped_server)  # the new one holds the freed slot
+        for idle in held:  # the two left idle: closed at the head's deadline, which frees their slots too
+            assert_timed_out_after(read_until_closed(idle, within_s=WAIT_S), CAPPED_HEADER_TIMEOUT_S)
+    finally:
+        for sock in held:
+            sock.close()
+    fresh = [served_once_a_slot_frees(capped_server)[0] for _ in range(MAX_CONNECTIONS)]
+    try:
+        assert_refused_at_once(capped_server)
+    finally:
+        for sock in fresh:
+            sock.close()
+
+
+def assert_timed_out_after(answer: bytes, header_timeout_s: float) -> None:
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
+    assert f"within {header_timeout_s:g} s".encode() in answer, answer
+
+
+def test_serve_takes_max_connections_and_raises_the_open_files_limit(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`inflight serve --max-connections N` reaches the protocol uvicorn is given (default: derived from
+    the open-files limit, which serve raises first; recorded here, so this process's is left be), and a
+    cap below 1 is refused by argparse."""
+    caps: list[int] = []
+    raised: list[bool] = []
+
+    def record(self: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
+        caps.append(self.config.http.connection_slots.limit)
+        self.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", record)
+    monkeypatch.setattr(inflight.api.app, "raise_open_files_limit", lambda: raised.append(True))
+    # The request log's logger left as it was for the other tests (serve routes it to stdout).
+    monkeypatch.setattr(inflight.api.app, "_log_requests_to_stdout", lambda: None)
+    argv = ["serve", "--base-model", f"{BASE}={tiny_model_dir}", "--port", "0"]
+    assert main([*argv, "--state-dir", str(tmp_path / "a"), "--max-connections", "7"]) == 0
+    assert main([*argv, "--state-dir", str(tmp_path / "b")]) == 0
+    assert caps == [7, default_max_connections()] and raised == [True, True]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--max-connections", "0"])
+    assert exited.value.code == 2

@@ -665,7 +665,10 @@ def test_a_session_whose_client_went_silent_is_finished_and_its_models_unloaded(
         late = {"model_id": silent[1], "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
         failed = result(a, a.post("/optim_step", json=late).json()["request_id"]).json()
         assert failed.get("category") == "user" and "silent for 3 s" in failed["error"], failed
-        assert status(spare) == "finished"
+        deadline = time.monotonic() + 30  # `spare` went silent after `silent` (two model creations later)
+        while status(spare) != "finished":
+            assert time.monotonic() < deadline, "the spare session was never finished"
+            time.sleep(0.1)
         fresh = a.post("/create_session", json={}).json()["session_id"]
         deadline = time.monotonic() + 30
         while (again := create(fresh)).status_code == 400 and time.monotonic() < deadline:

@@ -68,3 +68,16 @@ def test_the_queue_part_reports_every_key(monkeypatch: pytest.MonkeyPatch) -> No
         "sample_look_ms_behind_backlog",
     ]
     assert result["queue_history"] == 20 and all(result[key] > 0 for key in keys), result
+
+
+def test_the_wait_behind_a_large_request_reports_every_key(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bench = importlib.import_module("benchmarks.serve")
+    args = [*SMALLEST, "--api-requests", "0", "--checkpoint-round-trips", "0", "--max-batch-tokens", "256"]
+    result = bench.main([*args, "--behind-tokens", "1024", "--threads", "1", "--model", str(tiny_model_dir)])
+    assert (result["behind_tokens"], result["behind_slice_tokens"]) == (1024, 512)
+    keys = ["wait_behind_large_s", "wait_behind_large_unsliced_s", "large_request_s"]
+    assert all(result[key] > 0 for key in keys), result

@@ -176,6 +176,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         session_expiry_s=args.session_expiry_s,
         request_header_timeout_s=args.request_header_timeout_s,
         send_timeout_s=args.send_timeout_s,
+        max_connections=args.max_connections,
     )
     return 0
 
@@ -264,6 +265,7 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
         request_header_timeout_s=args.request_header_timeout_s,
         request_body_timeout_s=args.request_body_timeout_s,
         max_body_bytes=int(args.max_body_mib * 2**20),
+        max_connections=args.max_connections,
         **{name: value for name, value in given.items() if value is not None},
     )
     return 0
@@ -289,6 +291,7 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
             request_header_timeout_s=args.request_header_timeout_s,
             request_body_timeout_s=args.request_body_timeout_s,
             session_idle_timeout_s=args.session_idle_timeout_s,
+            max_connections=args.max_connections,
         ),
     )
     return 0
@@ -322,6 +325,20 @@ def _add_timeout_options(parser: argparse.ArgumentParser, body_default_s: float,
         metavar="SECONDS",
         help="a request's body must arrive whole this long after its headers, else 408 and the connection "
         f"closes: a client trickling bodies cannot hold connections open (default %(default)g; {body_note})",
+    )
+
+
+def _add_max_connections_option(parser: argparse.ArgumentParser) -> None:
+    """--max-connections, the same for the three servers (inflight/connections.py)."""
+    parser.add_argument(
+        "--max-connections",
+        type=_at_least_one,
+        default=None,
+        metavar="N",
+        help="connections open at once; one more is answered 503 with Retry-After and closed unread, so "
+        "that a flood of connections cannot take the file descriptors the server's own files need (default: "
+        "the open-files limit, which the server first raises to its hard limit up to 65536, less 256 kept "
+        "for those files, at most 10000)",
     )
 
 
@@ -450,11 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-train-tokens-per-round",
         type=_at_least_one,
-        default=16_384,
+        default=None,
         metavar="N",
         help="tokens of one forward or forward_backward request the worker runs before other keys' "
         "requests get their turn: a larger request runs in slices of whole datums, so another key's training "
-        "waits for one slice of it, not all of it (default %(default)s)",
+        "waits for a slice of it, not all of it (default: two training micro-batches, 4096 tokens on a CPU, "
+        "16384 on a GPU)",
     )
     serve.add_argument(
         "--max-checkpoint-gib-per-key",
@@ -467,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default %(default)g)",
     )
     _add_timeout_options(serve, body_default_s=120.0, body_note="a 64 MiB body then needs ~0.5 MB/s")
+    _add_max_connections_option(serve)
     serve.add_argument(
         "--send-timeout-s",
         type=_positive_seconds,
@@ -599,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bodies may take 16 GiB)",
     )
     _add_timeout_options(serve_engine, body_default_s=600.0, body_note="16 GiB of weights then need ~28 MB/s")
+    _add_max_connections_option(serve_engine)
     serve_engine.add_argument(
         "--parent-pid",
         type=int,
@@ -640,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="concurrent /ws episodes (a run needs prompts x group size)",
     )
     _add_timeout_options(env_serve, body_default_s=30.0, body_note="bodies are at most 1 MiB")
+    _add_max_connections_option(env_serve)
     env_serve.add_argument(
         "--session-idle-timeout-s",
         type=_positive_seconds,

@@ -10,17 +10,28 @@ header's value by concatenation, so one endless header both grows the process an
 which is where the body's deadline lives (`auth.BodySizeLimitMiddleware`). Nor does it bound how long an
 answer may wait for a client that reads nothing of it: the app's send waits, holding the connection, the
 response's buffers and any files it streams (an archive download), for good (a slow-read attack). nginx's
-`send_timeout` is the model for the answer's deadline. Knows nothing of the apps or their routes.
+`send_timeout` is the model for the answer's deadline.
+
+Nor does uvicorn bound how many connections are open: only the process's file descriptors did (the soft
+RLIMIT_NOFILE, often 1,024), so a client opening connections faster than the head's deadline closes them
+took every descriptor, and then uvicorn's accept failed in a loop and the service's database, checkpoints
+and engine files could not be opened, failing every tenant. So each server raises its soft limit at start
+(`raise_open_files_limit`) and answers a connection past its cap (`--max-connections`) at once with a 503,
+a Retry-After and a close, unparsed; uvicorn's `limit_concurrency` would not do: it counts tasks too and
+parses the request first. Knows nothing of the apps or their routes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import resource
+import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.utils import get_remote_addr
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +41,109 @@ MAX_HEAD_BYTES = 64 * 1024
 
 
 # Why a connection was closed, for `on_close` (a metrics counter labelled by it).
-CloseReason = Literal["head_timeout", "head_too_large", "send_timeout"]
+CloseReason = Literal["head_timeout", "head_too_large", "send_timeout", "too_many_connections"]
 # An answer the client has read nothing of for this long is abandoned: nginx's `send_timeout` default.
 SEND_TIMEOUT_S = 60.0
+
+# How far `raise_open_files_limit` takes the soft RLIMIT_NOFILE (when the hard limit allows): room for the
+# largest default cap and its reserve many times over, while programs that walk every possible descriptor
+# (a child closing them all before an exec, select()-based code) stay fast.
+OPEN_FILES_CEILING = 65_536
+# Descriptors the default cap leaves for what a server opens besides its connections: the SQLite database
+# and its WAL, checkpoint and model files, engine processes' pipes, its own clients' sockets (Ray, vLLM).
+RESERVED_FDS = 256
+# The default cap, however many descriptors there are: far above what inflight's clients open (a trainer's
+# SDK or engine client pools some dozens of connections), while what they may buffer at once (a head of up
+# to 64 KiB each) stays under 1 GiB and one event loop thread serves them all.
+MAX_CONNECTIONS_CEILING = 10_000
+# A refused client's wait before it tries again (the tinker and openai SDKs honour Retry-After up to 60 s):
+# connections come and go by the second, and a flood's own idle ones end within the head's deadline.
+RETRY_AFTER_S = 5
+# A refusal is logged at most this often, with the count since: a flood would otherwise write a line each.
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+def raise_open_files_limit(ceiling: int = OPEN_FILES_CEILING) -> int:
+    """Raises this process's soft RLIMIT_NOFILE to its hard limit, at most `ceiling`, and returns the soft
+    limit then. Never lowers it; one that cannot be raised (a hard limit the OS will not grant) stays as it
+    is. Any process may do this for itself, so the processes it starts (engines, sandboxed programs)
+    gain no descriptor they could not take anyway."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    # macOS refuses more than kern.maxfilesperproc, whatever the hard limit
+    except (ValueError, OSError) as e:
+        log.warning(
+            "could not raise the open-files limit from %d to %d (%s): it stays %d", soft, target, e, soft
+        )
+        return soft
+    return target
+
+
+def default_max_connections() -> int:
+    """`--max-connections`' default: the soft RLIMIT_NOFILE less `RESERVED_FDS` (half of it, for a limit
+    under twice the reserve), at most `MAX_CONNECTIONS_CEILING`."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_CEILING
+    return max(1, min(MAX_CONNECTIONS_CEILING, max(soft - RESERVED_FDS, soft // 2)))
+
+
+class ConnectionSlots:
+    """One server's open connections against its cap: taken as each is accepted, given back as it closes.
+    Touched only from the server's event loop thread."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"a server needs at least one connection, got a cap of {limit}")
+        self.limit = limit
+        self.open = 0
+        self.refused = 0  # since the server started
+        self._refused_unlogged = 0
+        self._next_log = 0.0  # monotonic time before which a refusal is not logged
+
+    def take(self) -> bool:
+        if self.open >= self.limit:
+            self.refused += 1
+            self._refused_unlogged += 1
+            return False
+        self.open += 1
+        return True
+
+    def give_back(self) -> None:
+        self.open -= 1
+
+    def refusals_to_log(self) -> int:
+        """The refusals not yet logged, when it is time to log them (then counted as logged); else 0."""
+        now = time.monotonic()
+        if now < self._next_log:
+            return 0
+        self._next_log = now + REFUSAL_LOG_EVERY_S
+        count, self._refused_unlogged = self._refused_unlogged, 0
+        return count
 
 
 def deadline_protocol(
     head_timeout_s: float,
     *,
     send_timeout_s: float = SEND_TIMEOUT_S,
+    max_connections: int | None = None,
     on_close: Callable[[CloseReason], None] = lambda reason: None,
 ) -> type[DeadlineProtocol]:
-    """uvicorn's `http=`: DeadlineProtocol with these deadlines, calling `on_close` for each connection it
-    closes. uvicorn builds each connection's protocol itself, from its config alone
-    (`http_protocol_class(config=..., server_state=..., app_state=..., _loop=...)`), so the values travel
-    on a subclass."""
+    """uvicorn's `http=`: DeadlineProtocol with these deadlines and at most `max_connections` open at once
+    (None: `default_max_connections()`, read now), calling `on_close` for each connection it closes. uvicorn
+    builds each connection's protocol itself, from its config alone (`http_protocol_class(config=...,
+    server_state=..., app_state=..., _loop=...)`), so the values, and the one count all of a server's
+    connections share, travel on a subclass: one per server."""
+    slots = ConnectionSlots(default_max_connections() if max_connections is None else max_connections)
 
     class BoundDeadlineProtocol(DeadlineProtocol):
         header_timeout_s = head_timeout_s
         answer_timeout_s = send_timeout_s
+        connection_slots = slots
 
         @staticmethod
         def closed_for(reason: CloseReason) -> None:
@@ -67,10 +162,16 @@ class DeadlineProtocol(HttpToolsProtocol):
 
     An answer is abandoned (the connection aborted) once the client has taken none of it for
     `answer_timeout_s` while the transport's buffer is full (from asyncio's `pause_writing` until its
-    `resume_writing`). A client that reads, however slowly, is never cut off."""
+    `resume_writing`). A client that reads, however slowly, is never cut off.
+
+    A connection accepted while `connection_slots` are all taken gets a 503 with a Retry-After and is
+    closed at once, before a byte of it is read; uvicorn never sees it. The others hold a slot until they
+    close, for whatever reason, a WebSocket one (handed to uvicorn's WebSocket protocol) included."""
 
     header_timeout_s: float  # set by deadline_protocol, from the server's --request-header-timeout-s
     answer_timeout_s: float  # set by deadline_protocol: SEND_TIMEOUT_S, or the server's --send-timeout-s
+    connection_slots: ConnectionSlots  # set by deadline_protocol: the server's, from its --max-connections
+    _holds_slot = False  # taken in connection_made; given back once, when the connection is lost
     _head_deadline: asyncio.TimerHandle | None = None  # armed while a head is due
     _send_deadline: asyncio.TimerHandle | None = None  # armed while the client reads nothing of an answer
     _buffered = 0  # the answer's bytes waiting in the transport when the send deadline was armed
@@ -82,8 +183,37 @@ class DeadlineProtocol(HttpToolsProtocol):
         """Called once for each connection closed here (`deadline_protocol`'s `on_close`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's own
+        if not self.connection_slots.take():
+            self._refuse(transport)
+            return
+        self._holds_slot = True
         super().connection_made(transport)
         self._arm()  # a client that connects and sends nothing is due a head too
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        # Before uvicorn's connection_made, so nothing of uvicorn's is set up (not even its flow control):
+        # the answer is small enough for the socket to take at once, and nothing is read.
+        self.transport = transport
+        self.client = get_remote_addr(transport)
+        slots = self.connection_slots
+        self.closed_for("too_many_connections")
+        refused = slots.refusals_to_log()
+        if refused:
+            log.warning(
+                "refused %d connection(s) with a 503, the latest from %s: %d open, --max-connections %d "
+                "(%d refused since the server started)",
+                refused,
+                self._who(),
+                slots.open,
+                slots.limit,
+                slots.refused,
+            )
+        self._send_and_close(
+            b"503 Service Unavailable",
+            f"the server has its most connections open ({slots.limit}, its --max-connections): "
+            f"try again in {RETRY_AFTER_S} s",
+            extra_headers=[(b"retry-after", b"%d" % RETRY_AFTER_S)],
+        )
 
     def data_received(self, data: bytes) -> None:
         if not self._answering():
@@ -129,9 +259,24 @@ class DeadlineProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self._holds_slot:  # refused: uvicorn never had it
+            return
+        self._holds_slot = False
+        self.connection_slots.give_back()
         self._disarm()
         self._stop_send_deadline()
         super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self) -> None:
+        # uvicorn hands the connection to a WebSocket protocol, and asyncio calls that one's connection_lost,
+        # never this one's: the slot goes with it, and no deadline of this protocol may fire into it.
+        super().handle_websocket_upgrade()
+        self._disarm()
+        self._stop_send_deadline()
+        if self._holds_slot:
+            self._holds_slot = False
+            websocket = cast(asyncio.Protocol, self.transport.get_protocol())  # uvicorn's are Protocols
+            self.transport.set_protocol(_GivesBackItsSlot(websocket, self.connection_slots))
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -212,11 +357,13 @@ class DeadlineProtocol(HttpToolsProtocol):
     def _who(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
-    def _send_and_close(self, status: bytes, message: str) -> None:
+    def _send_and_close(
+        self, status: bytes, message: str, extra_headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         """A plain-text answer that ends the connection, written as uvicorn writes its own 400."""
         body = f"{message}\n".encode()
         content = [b"HTTP/1.1 " + status + b"\r\n"]
-        for name, value in self.server_state.default_headers:
+        for name, value in [*self.server_state.default_headers, *(extra_headers or [])]:
             content.extend([name, b": ", value, b"\r\n"])
         content.extend(
             [
@@ -229,3 +376,28 @@ class DeadlineProtocol(HttpToolsProtocol):
         )
         self.transport.write(b"".join(content))
         self.transport.close()
+
+
+class _GivesBackItsSlot(asyncio.Protocol):
+    """A WebSocket connection's protocol as asyncio sees it: uvicorn's, whose slot is given back when the
+    connection is lost."""
+
+    def __init__(self, inner: asyncio.Protocol, slots: ConnectionSlots) -> None:
+        self.inner = inner
+        self.slots = slots
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.slots.give_back()
+        self.inner.connection_lost(exc)

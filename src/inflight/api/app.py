@@ -52,7 +52,7 @@ from inflight.api.shutdown import GracefulServer, RefuseNewWorkMiddleware, Servi
 from inflight.api.worker import EngineWorker, WorkerConfig
 from inflight.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_listening, scope_tenant
 from inflight.config import RayConfig
-from inflight.connections import deadline_protocol
+from inflight.connections import deadline_protocol, raise_open_files_limit
 from inflight.errors import UserError
 from inflight.preflight import bind_port, check_database, check_model_dir, check_port, ensure_dir, serve_on
 from inflight.types import DtypeName
@@ -118,7 +118,10 @@ def create_app(
     # head and on an answer the client stopped reading, which no middleware can set (it runs once a head is
     # parsed, and its send cannot tell a slow client from one that reads nothing).
     app.state.http_protocol = deadline_protocol(
-        config.request_header_timeout_s, send_timeout_s=config.send_timeout_s, on_close=metrics.count_closed
+        config.request_header_timeout_s,
+        send_timeout_s=config.send_timeout_s,
+        max_connections=config.max_connections,
+        on_close=metrics.count_closed,
     )
     routers = (routes_session, routes_training, routes_sampling, routes_futures, routes_checkpoints)
     for module in (*routers, routes_archives, routes_metrics):
@@ -181,6 +184,9 @@ def _start(
             session_expiry_s=config.session_expiry_s,
             max_train_tokens_per_round=config.max_train_tokens_per_round,
         )
+        if worker_config.max_train_tokens_per_round is None:  # a round's share of one request
+            micro_batch = placed.config.max_batch_tokens or 2048  # (resolved by the compute: never None)
+            worker_config = worker_config.model_copy(update={"max_train_tokens_per_round": 2 * micro_batch})
         if worker_config.max_samples_in_flight_per_tenant is None:  # a tenant's share: an engine's rows
             rows = min(placed.sampling_config(name).max_batch_size for name in base_models)
             worker_config = worker_config.model_copy(update={"max_samples_in_flight_per_tenant": rows})
@@ -357,22 +363,25 @@ def serve(
     max_models_per_key: int = 64,
     max_queued_requests_per_key: int = 10_000,
     max_tokens_per_train_request: int = 2**20,
-    max_train_tokens_per_round: int = 16_384,
+    max_train_tokens_per_round: int | None = None,
     max_checkpoint_gib_per_key: float | None = 50.0,
     request_body_timeout_s: float = 120.0,
     session_expiry_s: float = 600.0,
     request_header_timeout_s: float = 30.0,
     send_timeout_s: float = 60.0,
+    max_connections: int | None = None,
 ) -> None:
     """`inflight serve`: refuses to listen beyond loopback without API keys.
 
     Everything a user gave is checked before the base models load (state dir, database, model directories,
     port), and the models load before uvicorn starts, so each mistake is one line and exit code 2.
     SIGTERM/SIGINT drain the futures in flight for up to `shutdown_grace_s` (shutdown.py); each request is
-    one JSON line on stdout (access_log.py), in place of uvicorn's access log.
+    one JSON line on stdout (access_log.py), in place of uvicorn's access log. At most `max_connections`
+    are open at once (None: derived from the open-files limit, first raised to its hard limit).
     """
     api_keys = check_listening(host, api_keys)
     check_port(port)
+    raise_open_files_limit()  # before the app reads it for max_connections' default
     config = ServiceConfig(
         base_models=base_models,
         db_url=db_url,
@@ -393,6 +402,7 @@ def serve(
         session_expiry_s=session_expiry_s,
         request_header_timeout_s=request_header_timeout_s,
         send_timeout_s=send_timeout_s,
+        max_connections=max_connections,
     )
     for path in base_models.values():  # a missing directory: a path check, answered before torch loads
         check_model_dir(path)

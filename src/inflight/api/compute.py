@@ -64,7 +64,8 @@ class ServiceComputeConfig(BaseModel):
     dtype: DtypeName = "auto"
     # Padded tokens (rows x longest row) per forward/backward pass: bounds activation memory, which has no
     # checkpointing (a 7B model keeps a few MB per token). None: 2048 on CPU, where passes of 4096+ tokens
-    # ran ~15% slower per token (caches spill; 256-2048 were alike), and 8192 on an accelerator.
+    # ran ~15% slower per token (caches spill; 256-2048 were alike), and 8192 on an accelerator; the
+    # compute's `config` has it resolved.
     max_batch_tokens: int | None = Field(default=None, ge=1)
     max_sample_rows: int = Field(default=256, ge=1)  # sequences each base model's engine decodes together
     # The sampling engine keeps every row's K/V for the whole context, allocated at start: its rows are
@@ -141,9 +142,12 @@ class ServiceCompute:
     ) -> None:
         if not base_models:
             raise UserError("the service needs at least one base model (name -> model directory or hub id)")
-        self.config = config or ServiceComputeConfig()
+        config = config or ServiceComputeConfig()
         self.max_rank = max_rank
-        self._device = resolve_device(self.config.device, "device")
+        self._device = resolve_device(config.device, "device")
+        # Resolved here, so that `config` says it (RayCompute and the app read it).
+        self.max_batch_tokens: int = config.max_batch_tokens or (2048 if self._device.type == "cpu" else 8192)
+        self.config = config.model_copy(update={"max_batch_tokens": self.max_batch_tokens})
         self._dtype = resolve_dtype(self.config.dtype, self._device)
         if self._dtype == torch.bfloat16 and not native_bfloat16(self._device):
             log.warning(
@@ -156,12 +160,6 @@ class ServiceCompute:
         self._tokenizer_tmp: tempfile.TemporaryDirectory | None = None
         # Batched passes that raised (each failed all its jobs with a server error), for the metrics.
         self.counters: dict[str, int] = {"failed_batches": 0, "batches_split": 0}
-
-    @property
-    def max_batch_tokens(self) -> int:
-        if self.config.max_batch_tokens is not None:
-            return self.config.max_batch_tokens
-        return 2048 if self._device.type == "cpu" else 8192
 
     # ---- base models -------------------------------------------------------------------------------
 

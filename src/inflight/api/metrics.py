@@ -11,8 +11,9 @@ Exposed (the `# HELP` lines say the same):
   inflight_futures{request_type,state}                           gauge, every future in the database
   inflight_worker_events_total{event}                            counter, the worker's counts (/server_stats)
   inflight_shutting_down                                         gauge, 1 while the shutdown drains
-  inflight_http_connections_closed_total{reason}                 counter, closed for a late or huge head, or
-                                                                  an answer its client stopped reading
+  inflight_http_connections_closed_total{reason}                 counter, closed for a late or huge head,
+                                                                  an answer its client stopped reading, or
+                                                                  one connection too many (refused, a 503)
 Knows nothing of HTTP beyond the names it is given; the database is only read, at scrape time.
 """
 
@@ -109,7 +110,8 @@ class ServiceMetrics:
             "inflight_http_connections_closed",
             "Connections the server closed: head_timeout (no whole request head within "
             "--request-header-timeout-s, a 408), head_too_large (a head over 64 KiB, a 431), send_timeout "
-            "(an answer its client read nothing of for --send-timeout-s)",
+            "(an answer its client read nothing of for --send-timeout-s), too_many_connections (accepted "
+            "with --max-connections open: a 503, unread)",
             ["reason"],
             registry=self.registry,
         )

@@ -57,6 +57,10 @@ class ServiceConfig(BaseModel):
     # How long an answer may wait while its client reads none of it before the connection is aborted
     # (inflight/connections.py): an archive download read by nobody held its connection and open files.
     send_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    # Connections open at once; one more is answered 503 and closed unread (inflight/connections.py), so
+    # that a flood of them cannot take the descriptors the database and checkpoints need. None: derived
+    # from the open-files limit (`connections.default_max_connections`).
+    max_connections: int | None = Field(default=None, ge=1)
     max_lora_rank: int = Field(default=64, ge=1)
     # Models (adapters and their optimizer state, in memory until their session finishes) one API key may
     # have loaded at once; a create_model beyond it is refused, naming how to free one.
@@ -83,8 +87,10 @@ class ServiceConfig(BaseModel):
     # call is never refused; a raw body of 64 MiB could hold millions.
     max_tokens_per_train_request: int = Field(default=2**20, ge=1)
     # Tokens of one forward/forward_backward request the worker runs in a round (WorkerConfig): a larger
-    # request runs a slice a round, so another key's training waits for one slice of it, not all of it.
-    max_train_tokens_per_round: int = Field(default=16_384, ge=1)
+    # request runs a slice a round, so another key's training waits for a slice of it, not all of it.
+    # None: two of the compute's micro-batches (`ServiceComputeConfig.max_batch_tokens`): 4,096 tokens on
+    # a CPU, 16,384 on an accelerator.
+    max_train_tokens_per_round: int | None = Field(default=None, ge=1)
     # A session with no heartbeat and no request this long (its client died without closing it) is finished
     # and its models unloaded (WorkerConfig.session_expiry_s); the SDK heartbeats every 10 s.
     session_expiry_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)

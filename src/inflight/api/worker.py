@@ -139,11 +139,11 @@ class WorkerConfig(BaseModel):
     max_num_samples: int = Field(default=256, ge=1)
     max_topk_logprobs: int = Field(default=64, ge=1)
     # Tokens of one forward/forward_backward request a round runs (whole datums; at least one). A larger
-    # request runs over several rounds, so another key's request waits for one slice of it, not all: the
-    # tiny model trains ~40,000 tokens/s on 2 CPU cores, so a 2^20-token request held every other key's
-    # training for ~25 s. Smaller slices cost nothing in compute (each is still cut into micro-batches of
-    # the compute's own token budget) and one round of database work each (~1 ms).
-    max_train_tokens_per_round: int = Field(default=16_384, ge=1)
+    # request runs over several rounds, so another key's request waits for a slice of it, not all of it
+    # (a 2^20-token request held every other key's training for minutes on 2 CPU cores). A slice of at
+    # least one micro-batch (`ServiceComputeConfig.max_batch_tokens`) costs nothing in compute, and one
+    # round of database work (~1 ms). None: never sliced; the app sets twice the compute's micro-batch.
+    max_train_tokens_per_round: int | None = Field(default=None, ge=1)
     # In-memory sampler snapshots kept per model (each RL step makes one); older ones are freed.
     max_snapshots_per_model: int = Field(default=8, ge=1)
     # Sampler checkpoints (tinker:// paths) kept loaded in the engines, the least recently sampled evicted
@@ -650,7 +650,8 @@ class EngineWorker:
             except Exception as err:
                 self._settle(future, err)
                 continue
-            slices = split_job(job, self.config.max_train_tokens_per_round)
+            slice_tokens = self.config.max_train_tokens_per_round
+            slices = [job] if slice_tokens is None else split_job(job, slice_tokens)
             if len(slices) == 1:
                 batch.append((future, job, None))
                 continue

@@ -64,7 +64,7 @@ from inflight.auth import (
     is_loopback,
     keys_from,
 )
-from inflight.connections import deadline_protocol
+from inflight.connections import deadline_protocol, raise_open_files_limit
 from inflight.envs import ENVS, make_env
 from inflight.envs.base import Action, Environment, Observation, State, step_timeout
 from inflight.envs.openenv_client import API_KEY_ENV
@@ -96,6 +96,10 @@ class OpenEnvServerConfig(BaseModel):
     # handshake's included (408 past it; `inflight.connections`): a client that connected and sent nothing
     # held a connection and a file descriptor for good.
     request_header_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # Connections open at once, /ws sessions' included; one more is answered 503 and closed unread
+    # (`inflight.connections`), so that a flood of them cannot take every file descriptor. None: derived
+    # from the open-files limit (`connections.default_max_connections`).
+    max_connections: int | None = Field(default=None, ge=1)
     # A WebSocket session whose client sends nothing this long while the server waits for its next message
     # is closed and its env and slot freed: a silent client held one of `max_sessions` for good.
     session_idle_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
@@ -291,8 +295,11 @@ def create_app(name: str, config: OpenEnvServerConfig | None = None, **env_kwarg
         new_session_env, cast(Any, action_cls), cast(Any, observation_cls), concurrency_config=sessions
     )
     app.title = f"inflight env {name} (OpenEnv protocol)"
-    # `serve` gives uvicorn this protocol: a deadline on each request's head (middleware cannot set one).
-    app.state.http_protocol = deadline_protocol(config.request_header_timeout_s)
+    # `serve` gives uvicorn this protocol: a deadline on each request's head and a cap on open connections
+    # (middleware can set neither).
+    app.state.http_protocol = deadline_protocol(
+        config.request_header_timeout_s, max_connections=config.max_connections
+    )
     # Later added, earlier run: a /mcp body is bounded before LoneSurrogatesRefused reads it.
     app.add_middleware(LoneSurrogatesRefused)
     app.add_middleware(
@@ -354,11 +361,13 @@ def serve(
 ) -> None:
     """Serve env `name` until interrupted (`inflight env serve NAME --port P`). The port is bound before
     openenv-core's slow import (a port in use fails at once, in one line) and the line printed names the
-    port bound: `port=0` takes a free one."""
+    port bound: `port=0` takes a free one. The open-files limit is raised first (`max_connections`' default
+    is derived from it)."""
     from inflight.preflight import bind_port, serve_on
 
     config = config or OpenEnvServerConfig()
     check_env_listening(host, config.api_keys)
+    raise_open_files_limit()
     with contextlib.closing(bind_port(host, port)) as sock:
         app = create_app(name, config, **env_kwargs)
         bound = sock.getsockname()[1]

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 
 from inflight.auth import ApiKeys, BodySizeLimitMiddleware
-from inflight.connections import deadline_protocol
+from inflight.connections import deadline_protocol, raise_open_files_limit
 from inflight.errors import UserError
 from inflight.inference.access import check_engine_listening, require_api_key
 from inflight.inference.adapter_files import read_adapter_dir
@@ -122,6 +122,10 @@ class EngineServerConfig(BaseModel):
     # it; `inflight.connections`): uvicorn bounds no head, so a client that connected and sent nothing held
     # a connection and a file descriptor for good.
     request_header_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # Connections open at once; one more is answered 503 and closed unread (`inflight.connections`), so that
+    # a flood of them cannot take the descriptors the engine's files need. None: derived from the
+    # open-files limit (`connections.default_max_connections`).
+    max_connections: int | None = Field(default=None, ge=1)
     # When set, /update_weights and /set_adapter only read files under this directory.
     weights_dir: str | None = None
     # Accepted X-API-Key values; empty: every route open (serve() refuses that beyond loopback).
@@ -528,8 +532,10 @@ def create_app(
     app = FastAPI(title="inflight engine", lifespan=lifespan)
     app.state.service = service
     # What both runners (`serve`, ServerThread) give uvicorn as its protocol: a deadline on each request's
-    # head, which no middleware can set.
-    app.state.http_protocol = deadline_protocol(service.config.request_header_timeout_s)
+    # head and a cap on open connections, which no middleware can set.
+    app.state.http_protocol = deadline_protocol(
+        service.config.request_header_timeout_s, max_connections=service.config.max_connections
+    )
     app.add_middleware(
         BodySizeLimitMiddleware,
         max_bytes=service.config.max_update_bytes,
@@ -784,6 +790,7 @@ def serve(
     request_header_timeout_s: float = 30.0,
     request_body_timeout_s: float = 600.0,
     max_body_bytes: int = 256 * 2**20,
+    max_connections: int | None = None,
 ) -> None:
     """Load `model` (a directory or hub id) into an engine of `backend` and serve it until interrupted.
     "vllm" needs the environment `launch/vllm_env.py` builds (vLLM's CPU build pins its own torch and
@@ -794,12 +801,14 @@ def serve(
     is gone, so that a crashed run leaves no engine holding its memory. With `api_keys`, every route but
     /health needs one; beyond loopback a key and `weights_dir` are required (`access.py`). A request's head
     must be whole within `request_header_timeout_s` and its body within `request_body_timeout_s` of it (408
-    past either), and a JSON body at most `max_body_bytes` (413). SIGTERM/SIGINT stop it within seconds:
-    the generations in flight are stopped and answered 503 (`_StoppingServer`)."""
+    past either), and a JSON body at most `max_body_bytes` (413); at most `max_connections` are open at once
+    (None: derived from the open-files limit, first raised to its hard limit). SIGTERM/SIGINT stop it
+    within seconds: the generations in flight are stopped and answered 503 (`_StoppingServer`)."""
     from inflight.preflight import bind_port, check_model_dir, serve_on
 
     check_engine_listening(host, api_keys, weights_dir)
     check_model_dir(model)
+    raise_open_files_limit()  # before the app reads it for max_connections' default
     if max_seq_len_tokens is not None:
         check_context(model, max_seq_len_tokens)
     if parent_pid is not None:
@@ -829,6 +838,7 @@ def serve(
             request_header_timeout_s=request_header_timeout_s,
             request_body_timeout_s=request_body_timeout_s,
             max_body_bytes=max_body_bytes,
+            max_connections=max_connections,
         )
         app = create_app(engine, load_tokenizer(model), config, stop_ids)
         # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
