@@ -228,6 +228,20 @@ def read_until_closed(sock: socket.socket, within_s: float = 10.0) -> bytes:
         answer += chunk
 
 
+def assert_refused_at_once(refused: socket.socket, within_s: float, head_timeout_s: float) -> None:
+    """A connection past a server's --max-connections (closed here): a 503 naming the option, with
+    Retry-After (the tinker SDK waits that long, then retries), and closed before the client sends a byte,
+    well before the head's deadline of `head_timeout_s`."""
+    with refused:
+        started = time.monotonic()
+        answer = read_until_closed(refused, within_s=within_s)
+        seconds = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+    assert b"retry-after: 5\r\n" in answer and b"connection: close\r\n" in answer, answer
+    assert b"--max-connections" in answer, answer
+    assert seconds < head_timeout_s / 2, seconds
+
+
 def sample_body(sampling_session: str, seq_id: int, max_tokens: int, num_samples: int = 1) -> dict[str, Any]:
     """A raw /asample body that runs to `max_tokens` (stop=[]: not even EOS stops it). Import it from a test
     module: `from conftest import sample_body`."""
