@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -20,10 +21,14 @@ SMALLEST = ["--adapters", "1", "--datums", "1", "--tokens", "8", "--rank", "4", 
 SMALLEST += ["--sample-tokens", "2", "--repeats", "1", "--api-requests", "1", "--checkpoint-round-trips", "1"]
 
 
-def test_smallest_run_reports_every_key(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(REPO_ROOT))  # benchmarks/ lives beside src/, as `inflight bench` finds it
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    bench = importlib.import_module("benchmarks.serve")
+    return importlib.import_module("benchmarks.serve")
+
+
+def test_smallest_run_reports_every_key(tiny_model_dir: Path, bench: ModuleType) -> None:
     result = bench.main([*SMALLEST, "--threads", "1", "--model", str(tiny_model_dir)])
     assert "api_error" not in result, result["api_error"]
     positive = [
@@ -45,11 +50,8 @@ def test_smallest_run_reports_every_key(tiny_model_dir: Path, monkeypatch: pytes
 
 
 def test_the_api_part_against_inflight_serve_in_its_own_process(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, bench: ModuleType
 ) -> None:
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    bench = importlib.import_module("benchmarks.serve")
     smallest = [*SMALLEST, "--checkpoint-round-trips", "0", "--api-server", "process"]
     result = bench.main([*smallest, "--threads", "1", "--model", str(tiny_model_dir)])
     assert "api_error" not in result, result["api_error"]
@@ -57,9 +59,7 @@ def test_the_api_part_against_inflight_serve_in_its_own_process(
     assert "api_floor_ms" not in result  # the stub sits in front of an app in this process only
 
 
-def test_the_queue_part_reports_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    bench = importlib.import_module("benchmarks.serve")
+def test_the_queue_part_reports_every_key(bench: ModuleType) -> None:
     result = bench.measure_queue_claims(20, samples=3)
     keys = [
         "claim_ms_fresh",
@@ -70,12 +70,7 @@ def test_the_queue_part_reports_every_key(monkeypatch: pytest.MonkeyPatch) -> No
     assert result["queue_history"] == 20 and all(result[key] > 0 for key in keys), result
 
 
-def test_the_wait_behind_a_large_request_reports_every_key(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    bench = importlib.import_module("benchmarks.serve")
+def test_the_wait_behind_a_large_request_reports_every_key(tiny_model_dir: Path, bench: ModuleType) -> None:
     args = [*SMALLEST, "--api-requests", "0", "--checkpoint-round-trips", "0", "--max-batch-tokens", "256"]
     result = bench.main([*args, "--behind-tokens", "1024", "--threads", "1", "--model", str(tiny_model_dir)])
     assert (result["behind_tokens"], result["behind_slice_tokens"]) == (1024, 512)
