@@ -67,7 +67,7 @@ def test_a_job_within_the_budget_is_its_own_only_slice() -> None:
         split_job(job, max_tokens=0)
 
 
-def test_merging_refuses_outputs_of_another_datum_count(tiny_model_dir: Path) -> None:
+def test_merging_refuses_outputs_of_another_datum_count() -> None:
     prepared = prepare_job(_job([3, 4]), vocab_size=2048, max_tokens=64)
     part = ForwardBackwardOutput([{"logprobs": [0.0] * 3, "elementwise_loss": [0.0] * 3}], {})
     with pytest.raises(ValueError, match="1 datums, the job 2"):

@@ -328,7 +328,7 @@ class EngineWorker:
 
     def run_once(self, *, ordered: bool = True, samples: bool = True) -> int:
         """Schedule, execute and record one round, claiming from the ordered queues and/or the samples;
-        returns how many futures it settled or handed to the engine."""
+        returns how many futures it settled or handed to the engine, or whose next slice it ran."""
         claimed = self._claim_heads() if ordered else ClaimedHeads([], more_queued=False)
         if claimed.more_queued:  # a claimed model's next request is queued: claim it next round
             self._hint(ordered=True)
