@@ -32,7 +32,7 @@ sysdeps:
 	bash scripts/sysdeps.sh
 
 unit: $(STAMP) sysdeps
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=40
 
 test: lint typecheck unit
 

@@ -391,6 +391,24 @@ def test_a_verifier_actors_job_outlives_a_restart_and_a_dead_actor_is_a_counted_
         ray_cluster.kill(actor, no_restart=True)
 
 
+def test_a_job_sigkilled_from_outside_its_sandbox_is_held_back_before_its_answer() -> None:
+    """A Ray worker being killed SIGKILLs its children first and exits after: a job killed so is answered
+    only after EXTERNAL_KILL_GRACE_S, long enough for the actor to die with the answer (Ray then runs the
+    job again). The answer itself is kept, and other failures are answered at once."""
+    from inflight.launch.ray.verifiers import VerifierActor
+
+    held = VerifierActor(1, external_kill_grace_s=1.0)
+    started = time.monotonic()
+    killed = held.run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "", None)
+    assert killed.reason == "killed" and killed.exit_code == -signal.SIGKILL, killed
+    assert time.monotonic() - started >= 1.0
+    not_held = VerifierActor(1, external_kill_grace_s=60.0)
+    started = time.monotonic()
+    failed = not_held.run("raise SystemExit(3)", "", None)
+    assert failed.reason == "error" and failed.exit_code == 3, failed
+    assert time.monotonic() - started < 60.0
+
+
 def test_rollout_workers_play_the_groups_and_a_killed_worker_is_restarted_its_groups_played_again(
     ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,6 +5,7 @@ that send them."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -17,6 +18,11 @@ if TYPE_CHECKING:
     from inflight.envs.sandbox import Isolation, SandboxLimits, SandboxResult, VerifierPoolConfig
 
 VERIFIER_TASK_RETRIES = 2  # how often Ray runs a job again on a verifier actor it restarted
+# How long an actor holds back a job SIGKILLed by someone other than its sandbox before answering. A Ray
+# worker that is being killed SIGKILLs its child processes first and exits after, so in between the job
+# reads as "killed" by an outside signal: held back, the answer dies with the actor and Ray runs the job
+# again on the restarted one, instead of scoring the reply's code as failed.
+EXTERNAL_KILL_GRACE_S = 2.0
 
 
 class VerifierActor:
@@ -24,13 +30,17 @@ class VerifierActor:
     own: the sandboxed code of the run's environments runs here, not beside the trainer. Stateless, so Ray
     restarts it whenever it dies; `RayVerifiers` is its client."""
 
-    def __init__(self, concurrency: int) -> None:
+    def __init__(self, concurrency: int, external_kill_grace_s: float = EXTERNAL_KILL_GRACE_S) -> None:
         from inflight.envs.sandbox import VerifierPool
 
         self.pool = VerifierPool(concurrency=concurrency)
+        self.external_kill_grace_s = external_kill_grace_s
 
     def run(self, code: str, stdin: str, limits: SandboxLimits | None) -> SandboxResult:
-        return self.pool.run_many([code], stdin=stdin, limits=limits)[0]
+        result = self.pool.run_many([code], stdin=stdin, limits=limits)[0]
+        if result.reason == "killed" and result.exit_code == -signal.SIGKILL:
+            time.sleep(self.external_kill_grace_s)  # see EXTERNAL_KILL_GRACE_S: we may be dying too
+        return result
 
     def isolation(self) -> Isolation:
         return self.pool.isolation
