@@ -2,6 +2,8 @@
 
 import os
 
+from inflight.malloc_tuning import tune_malloc
+
 # OpenMP's idle worker threads spin for at most GOMP_SPINCOUNT iterations (libgomp's default: 300,000)
 # before they sleep. Set here because libgomp reads it once, when `import torch` loads it: so before any of
 # our modules import torch. Spinning threads of two processes (or of the service's trainer and engine
@@ -19,5 +21,10 @@ os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 # Without a GOMP_SPINCOUNT, ACTIVE would spin for minutes: set only beside one.
 if os.environ.get("GOMP_SPINCOUNT") and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+
+# Freed tensor memory stays in the process for the next step instead of being faulted in again
+# (malloc_tuning.py: ~16% of the service's batched forward_backward on 2 cores). The user's allocator
+# settings win.
+tune_malloc()
 
 __version__ = "0.1.0"
