@@ -23,7 +23,7 @@ if os.environ.get("GOMP_SPINCOUNT") and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
 
 # Freed tensor memory stays in the process for the next step instead of being faulted in again
-# (malloc_tuning.py: ~16% of the service's batched forward_backward on 2 cores). The user's allocator
+# (malloc_tuning.py: ~12% of the service's batched forward_backward on 2 cores). The user's allocator
 # settings win.
 tune_malloc()
 
