@@ -302,9 +302,11 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         shape = (max_batch_size, max_seq_len, spec.num_kv_heads, spec.head_dim)
         # k_cache[layer][row, position, kv_head]: active sequences occupy rows 0..n-1. Heads innermost, so
         # that a decode step writes a row's new K of all heads as one slot, and a row's keys over a span
-        # are one [span * kv heads, D] matrix (see decode).
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        # are one [span * kv heads, D] matrix (see decode). All of them views of one tensor [K/V, layer,
+        # ...], each layer's K and V still contiguous: moving a row (the prefix cache, a finished row's
+        # place) is then one copy, not two a layer (~17 against ~68 us on 4 layers, EPYC Zen 3).
+        self.kv_cache = torch.zeros((2, spec.num_layers, *shape), dtype=dtype, device=device)
+        self.k_cache, self.v_cache = list(self.kv_cache[0]), list(self.kv_cache[1])
         # HF's rotary tables, computed once in float32 (on the CPU, as HF does) for every position.
         d = spec.head_dim
         freqs = torch.arange(max_seq_len, dtype=torch.float)[:, None] * rope_inv_freq(spec)
@@ -514,14 +516,10 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         return self._logits(w, h, lora)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
-            kc[dst, :length] = kc[src, :length]
-            vc[dst, :length] = vc[src, :length]
+        self.kv_cache[:, :, dst, :length] = self.kv_cache[:, :, src, :length]
 
     def clear_row(self, row: int) -> None:
-        for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
-            kc[row].zero_()
-            vc[row].zero_()
+        self.kv_cache[:, :, row].zero_()
 
     def _layers(
         self, w: Weights, ids: Tensor, cos: Tensor, sin: Tensor, attend: Attend, lora: LoraBatch | None
