@@ -124,7 +124,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     holders = sys.modules.get("tinker.lib.internal_client_holder")
     if holders is None:  # no test imported the SDK
         return
-    for holder in [o for o in gc.get_objects() if isinstance(o, holders.InternalClientHolder)]:
+    # type(), not isinstance: isinstance reads `__class__`, which a lazy proxy among all objects may raise on.
+    cls = holders.InternalClientHolder
+    for holder in [o for o in gc.get_objects() if issubclass(type(o), cls)]:
         holder.close()  # idempotent, no request: stops the heartbeats and the connection pools
 
 
