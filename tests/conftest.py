@@ -100,16 +100,11 @@ def close_sdk_sessions() -> Iterator[None]:
     exits right after need not. Left open, a client's session heartbeats fail once the server is gone,
     until the interpreter exits, and print after pytest's summary. Found by their type: the recipes keep
     no handle to them."""
-    import gc
+    import tinker.lib.internal_client_holder  # noqa: F401  (what `open_sdk_clients` looks for)
 
-    from tinker.lib.internal_client_holder import InternalClientHolder
-
-    def holders() -> list[InternalClientHolder]:
-        return [o for o in gc.get_objects() if isinstance(o, InternalClientHolder)]
-
-    before = {id(holder) for holder in holders()}
+    before = {id(holder) for holder in open_sdk_clients()}
     yield
-    for holder in holders():
+    for holder in open_sdk_clients():
         if id(holder) not in before:
             holder.close()  # idempotent: stops the heartbeats and the connection pools
 
@@ -118,16 +113,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Close every `tinker` SDK client still open when the tests end. One left open by a test (CI saw one,
     from a test outside `close_sdk_sessions`) heartbeats a server long gone for the rest of the run and
     logs its failure after pytest's summary, into a closed stream (a "Logging error" traceback)."""
+    for holder in open_sdk_clients():
+        holder.close()  # idempotent, no request: stops the heartbeats and the connection pools
+
+
+def open_sdk_clients() -> list[Any]:
+    """The `tinker` SDK's client holders alive in this process (none if no test imported the SDK)."""
     import gc
     import sys
 
-    holders = sys.modules.get("tinker.lib.internal_client_holder")
-    if holders is None:  # no test imported the SDK
-        return
+    module = sys.modules.get("tinker.lib.internal_client_holder")
+    if module is None:
+        return []
     # type(), not isinstance: isinstance reads `__class__`, which a lazy proxy among all objects may raise on.
-    cls = holders.InternalClientHolder
-    for holder in [o for o in gc.get_objects() if issubclass(type(o), cls)]:
-        holder.close()  # idempotent, no request: stops the heartbeats and the connection pools
+    cls = module.InternalClientHolder
+    return [o for o in gc.get_objects() if issubclass(type(o), cls)]
 
 
 @contextlib.contextmanager
