@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import sample_body, sdk_server
 from inflight.api.access_log import REQUEST_LOGGER
-from inflight.api.app import BackgroundServer, create_app
+from inflight.api.app import BackgroundServer, _requests_logged_to_stdout, create_app
 from inflight.api.db import Database, sqlite_url
 from inflight.api.futures import Future, FutureStore
 from inflight.api.metrics import RateWindow
@@ -325,6 +325,32 @@ def test_one_json_line_per_request_with_its_ids_and_never_the_key_query_or_body(
     assert sample_line["session_id"] == session_id
     poll_line = by_path[("POST", "/api/v1/retrieve_future")]
     assert poll_line["request_id"] == request_id and poll_line["session_id"] == session_id
+
+
+def test_serve_logs_requests_to_stdout_while_it_runs_and_leaves_the_logger_as_it_was(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`inflight serve` writes the request log's lines to stdout while it serves. The logger is the
+    process's, so the handler goes when the service stops; left behind, it wrote a later in-process
+    server's lines to a test's captured stdout, closed by then ("Logging error" in a later test)."""
+    logger = logging.getLogger(REQUEST_LOGGER)
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    assert not before[0]
+    with _requests_logged_to_stdout():
+        logger.info('{"path": "/api/v1/healthz"}')
+    assert capsys.readouterr().out == '{"path": "/api/v1/healthz"}\n'
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
+
+    # A logger the embedding program routed already is left alone, and so is its handler afterwards.
+    routed = Lines()
+    logger.addHandler(routed)
+    try:
+        with _requests_logged_to_stdout():
+            logger.info('{"path": "/api/v1/healthz"}')
+        assert logger.handlers == [routed]
+    finally:
+        logger.removeHandler(routed)
+    assert capsys.readouterr().out == ""
 
 
 def test_training_lines_name_the_model_and_the_session(server: BackgroundServer, request_log: Lines) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from inflight.api.access_log import REQUEST_LOGGER
 from inflight.cli import main
 from inflight.config import apply_overrides
 from inflight.errors import UserError
@@ -787,6 +789,9 @@ def test_serve_whose_engines_do_not_fit_beside_its_training_is_one_line_at_once(
     assert "the placement needs 3 CPUs" in errors[0] and "the local Ray has 2 CPUs" in errors[0], errors
     assert "Serve fewer base models here, or serve on a cluster with more CPUs (--ray-address" in errors[0]
     assert time.monotonic() - started < 60
+    # The request log's stdout handler went with the service: it would write later in-process servers'
+    # lines to this test's captured stdout, closed by then (a "Logging error" in a later test).
+    assert not logging.getLogger(REQUEST_LOGGER).handlers
     wait_until_released(ray_cluster)
 
 

@@ -419,19 +419,19 @@ def serve(
         with contextlib.closing(bind_port(host, port)) as sock:
             # Loaded before uvicorn starts, so that a model that fails to load is one line (on Ray: at start).
             app = create_app(config, compute=load_compute(config) if launcher == "local" else None)
-            _log_requests_to_stdout()
-            serve_on(
-                sock,
-                app,
-                host,
-                port,
-                make_server=lambda uvicorn_config: GracefulServer(uvicorn_config, app.state.shutdown),
-                log_level="info",
-                access_log=False,
-                http=app.state.http_protocol,
-                # After the drain every future is finished, so the long-polls still open answer at once.
-                timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
-            )
+            with _requests_logged_to_stdout():
+                serve_on(
+                    sock,
+                    app,
+                    host,
+                    port,
+                    make_server=lambda uvicorn_config: GracefulServer(uvicorn_config, app.state.shutdown),
+                    log_level="info",
+                    access_log=False,
+                    http=app.state.http_protocol,
+                    # After the drain every future is finished, so the long-polls still open answer at once.
+                    timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
+                )
 
 
 def _gib_bytes(gib: float | None) -> int | None:
@@ -439,17 +439,28 @@ def _gib_bytes(gib: float | None) -> int | None:
     return None if gib is None else round(gib * 2**30)
 
 
-def _log_requests_to_stdout() -> None:
-    """The request log's lines, as they are, on stdout (where uvicorn's access log went), unless the
-    embedding program routed the logger already."""
+@contextlib.contextmanager
+def _requests_logged_to_stdout() -> Iterator[None]:
+    """While the service runs, the request log's lines, as they are, on stdout (where uvicorn's access log
+    went), unless the embedding program routed the logger already. The handler goes when the service
+    stops: the logger is the process's, and a handler left behind would write later servers' lines in the
+    same process (a test's, an embedding program's) to a stdout that may since be closed."""
     logger = logging.getLogger(REQUEST_LOGGER)
     if logger.handlers:
+        yield
         return
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
+    before = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # one copy, whatever the root logger does
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before[0])
+        logger.propagate = before[1]
 
 
 @contextlib.contextmanager
