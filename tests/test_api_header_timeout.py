@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import re
 import socket
 import time
@@ -28,6 +29,7 @@ import uvicorn
 
 import inflight.api.app
 from conftest import assert_refused_at_once, read_until_closed, sdk_server
+from inflight.api.access_log import REQUEST_LOGGER
 from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig
 from inflight.cli import main
@@ -363,12 +365,12 @@ def test_serve_takes_max_connections_and_raises_the_open_files_limit(
 
     monkeypatch.setattr(uvicorn.Server, "run", record)
     monkeypatch.setattr(inflight.api.app, "raise_open_files_limit", lambda: raised.append(True))
-    # The request log's logger left as it was for the other tests (serve routes it to stdout).
-    monkeypatch.setattr(inflight.api.app, "_log_requests_to_stdout", lambda: None)
     argv = ["serve", "--base-model", f"{BASE}={tiny_model_dir}", "--port", "0"]
     assert main([*argv, "--state-dir", str(tmp_path / "a"), "--max-connections", "7"]) == 0
     assert main([*argv, "--state-dir", str(tmp_path / "b")]) == 0
     assert caps == [7, default_max_connections()] and raised == [True, True]
+    # The request log's stdout handler went with each service (the other tests' servers log elsewhere).
+    assert not logging.getLogger(REQUEST_LOGGER).handlers
     with pytest.raises(SystemExit) as exited:
         main([*argv, "--max-connections", "0"])
     assert exited.value.code == 2
