@@ -109,25 +109,6 @@ def close_sdk_sessions() -> Iterator[None]:
             holder.close()  # idempotent: stops the heartbeats and the connection pools
 
 
-# The files that take minutes each (`--durations` of a serial run on a 2-core EPYC Zen 3, 2026-11-30: Ray's
-# 800 s, then 150-180 s each), run first: `make test`'s two workers take whole files in this order, and end
-# together instead of one running the last long file alone. A file missing here runs in its turn.
-LONG_FILES = (
-    "test_launch_ray.py",
-    "test_examples.py",
-    "test_external_engine_outage.py",
-    "test_api_cookbook_learns.py",
-    "test_e2e_arithmetic.py",
-    "test_launch_vllm.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long files' tests first, in LONG_FILES's order; every other test after them, as collected."""
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Close every `tinker` SDK client still open when the tests end. One left open by a test (CI saw one,
     from a test outside `close_sdk_sessions`) heartbeats a server long gone for the rest of the run and
