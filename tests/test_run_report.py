@@ -231,7 +231,10 @@ def test_a_warmup_reply_that_fails_is_one_line_naming_it(
     with caplog.at_level(logging.WARNING, logger="inflight.orchestrator.guard"):
         assert run(str(path), run_dir, tiny_model_dir, *overrides) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and not caplog.records  # no rollout counted as failed
+    # No rollout counted as failed. Only the guard's records count: a worker process running the whole
+    # suite may hold another test's tinker SDK client whose heartbeat logs that its server has gone.
+    guard = [r.getMessage() for r in caplog.records if r.name == "inflight.orchestrator.guard"]
+    assert "Traceback" not in err and not guard, guard
     assert said(err) == [f"inflight: error: wu: {error}" + (" (None)" if "None" in error else "")]
     assert not run_dir.exists()  # it failed before its first step
 
