@@ -114,6 +114,28 @@ def test_lora_in_a_child_publishes_the_adapter_of_the_in_process_trainer(
         _assert_same_weights(base, {k: v for k, v in model.state_dict().items()})
 
 
+def _parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_children_fork_from_one_server_in_this_processes_directory_and_take_paths_relative_to_it(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forked from multiprocessing's fork server (which imported torch once), not spawned one by one, and
+    each child where this process is when it starts; a relative checkpoint path is this process's."""
+    with TrainerProcess(load_model(tiny_model_dir), _config(), threads=1) as first:
+        assert first.pid is not None
+        server = _parent_pid(first.pid)
+        assert server != os.getpid()
+        monkeypatch.chdir(tmp_path)
+        first.save_checkpoint("first", extra={"step": 0})  # the child started elsewhere
+    assert (tmp_path / "first").is_dir()
+    with TrainerProcess(load_model(tiny_model_dir), _config(), threads=1) as second:
+        assert second.pid is not None
+        assert _parent_pid(second.pid) == server
+        assert Path(f"/proc/{second.pid}/cwd").resolve() == tmp_path.resolve()
+
+
 def test_a_failing_call_raises_here_with_the_childs_traceback_and_the_child_goes_on(
     tiny_model_dir: Path,
 ) -> None:

@@ -3,8 +3,14 @@
 Why: in one process the pipeline's engine thread, its rollouts' event loop and its trainer thread take
 turns on one GIL, and on a 2-core machine the trainer then stepped ~1.3x slower than alone on one core
 (0.158 s against 0.119 s on `inflight bench pipeline`'s BlackJack batch, docs/benchmarks.md). Here the
-trainer steps in a child process (started with `spawn`: forking a process that runs OpenMP threads is
-unsafe) while this process keeps the engine and the rollouts.
+trainer steps in a child process while this process keeps the engine and the rollouts.
+
+The child is forked from multiprocessing's fork server, never from this process (forking a process that
+runs OpenMP threads is unsafe): a clean interpreter, started once per process, that imports torch, this
+module and the model's family before it forks anything. Spawning an interpreter for each child cost ~7 s
+of imports on a 2-core EPYC; a second run in one process (a benchmark's, a sweep's, a notebook's) now
+starts its trainer in ~0.2 s. The child gets this process's working directory and environment as they
+are when it starts, as a spawned one did, not the fork server's.
 
 The weights are not copied between the two: the model's tensors are moved into shared memory before the
 child starts, and the child trains that very storage in place. The parent reads them (`weights()`) only
@@ -43,7 +49,7 @@ from inflight.types import AdapterUpdate, TrainSample
 _CALLS = frozenset(
     {"train_step", "weights", "base_weights", "adapter_update", "save_checkpoint", "resume_checkpoint"}
 )
-_START_TIMEOUT_S = 300.0  # spawning the interpreter and importing torch (seconds on a quiet machine)
+_START_TIMEOUT_S = 300.0  # the fork server's start and imports, the first time (seconds on a quiet machine)
 _POLL_S = 0.5  # how often a wait checks that the child is still alive
 # A stop asked of the run: Ctrl-C, and SIGTERM from `timeout`, Slurm's scancel or `kill -- -PGID`, reach the
 # whole process group. The parent coordinates the stop (orchestrator/stopping.py), whose last checkpoint is
@@ -122,18 +128,23 @@ class TrainerProcess:
         self.cpus = cpus
         self._model = model
         model.share_memory()  # the child's parameters are these tensors, not a copy
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        # What the fork server imports once, before its first fork (used only when it starts: the first
+        # TrainerProcess of this process starts it, below, inside the blocked signals).
+        context.set_forkserver_preload([__name__, type(model).__module__])
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=_serve,
-            args=(model, config, pad_id, threads, cpus, child_conn),
+            args=(model, config, pad_id, threads, cpus, dict(os.environ), child_conn),
             name="inflight-trainer",
             daemon=True,
         )
-        # Blocked from the fork until the child ignores them (`_serve`): a stop during the child's start (its
-        # interpreter, torch's import) cannot kill it; this process takes the signal when it unblocks it
-        # here, the child drops it (multiprocessing starts its resource tracker so). That tracker first:
-        # starting it unblocks both signals outright instead of restoring the mask.
+        # Blocked from the fork until the child ignores them (`_serve`): a stop during the child's start
+        # cannot kill it; this process takes the signal when it unblocks it here, the child drops it
+        # (multiprocessing starts its resource tracker so). The fork server, started here the first time,
+        # keeps them blocked for good (the mask outlives exec) and ends with this process; its children
+        # inherit the mask. The tracker first: starting it unblocks both signals outright instead of
+        # restoring the mask.
         multiprocessing.resource_tracker.ensure_running()
         unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
         try:
@@ -175,10 +186,11 @@ class TrainerProcess:
         return self._call("adapter_update")[0]
 
     def save_checkpoint(self, path: str | Path, extra: dict | None = None) -> Path:
-        return self._call("save_checkpoint", Path(path), extra)[0]
+        # Absolute here: this process's working directory may have changed since the child started.
+        return self._call("save_checkpoint", Path(path).absolute(), extra)[0]
 
     def resume_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        meta, self.version = self._call("resume_checkpoint", Path(path))
+        meta, self.version = self._call("resume_checkpoint", Path(path).absolute())
         return meta
 
     # -- the pipe -----------------------------------------------------------------------------------------
@@ -250,12 +262,16 @@ def _serve(
     pad_id: int,
     threads: int,
     cpus: frozenset[int] | None,
+    environ: dict[str, str],
     conn: multiprocessing.connection.Connection,
 ) -> None:
-    """The child: build the Trainer over the shared model, then answer calls until told to stop."""
+    """The child: build the Trainer over the shared model, then answer calls until told to stop.
+    `environ`: the parent's environment at the start (the fork server's is as old as the server)."""
     for signum in _GROUP_SIGNALS:  # the parent stops this child (see _GROUP_SIGNALS)
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)  # blocked since the fork: pending ones drop
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         if cpus is not None:
             os.sched_setaffinity(0, cpus)  # before torch's threads start: they inherit it
