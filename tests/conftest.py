@@ -137,12 +137,20 @@ def sdk_server(config: ServiceConfig, **app_options: Any) -> Iterator[Background
     `from conftest import sdk_server`."""
     from inflight.api.app import BackgroundServer, create_app
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_API_KEY", "tml-test")
-        mp.setenv("TINKER_TELEMETRY", "0")
-        mp.setenv("HF_HUB_OFFLINE", "1")  # a base model named like a hub id is never looked up
-        with BackgroundServer(create_app(config, **app_options)) as running:
-            yield running
+    before = {id(holder) for holder in open_sdk_clients()}
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TINKER_API_KEY", "tml-test")
+            mp.setenv("TINKER_TELEMETRY", "0")
+            mp.setenv("HF_HUB_OFFLINE", "1")  # a base model named like a hub id is never looked up
+            with BackgroundServer(create_app(config, **app_options)) as running:
+                yield running
+    finally:
+        # The SDK clients opened against this server and left open (most tests): their heartbeats would
+        # fail for the rest of this worker's run, and log it into later tests' captured records.
+        for holder in open_sdk_clients():
+            if id(holder) not in before:
+                holder.close()  # idempotent, no request
 
 
 def ready_models(db: Database, base_model: str, count: int, rank: int = 4) -> FutureStore:

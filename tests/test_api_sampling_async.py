@@ -88,3 +88,16 @@ def test_sampled_logprobs_are_the_raw_models_at_any_temperature(
     scaled = torch.log_softmax(logits / 0.7, -1)[len(prompt) - 1 :].gather(1, sampled).squeeze(1)
     assert (got - scaled).abs().max() > 1e-2
     service.close("success").result()
+
+
+def test_sdk_clients_left_open_are_closed_with_the_tests_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`conftest.sdk_server` closes the SDK clients opened against it (tests rarely close theirs): a client
+    left open heartbeats its gone server for the rest of the worker's run and logs the failure into later
+    tests' captured records (a CI failure)."""
+    config = ServiceConfig(base_models={BASE: str(tiny_model_dir)}, state_dir=tmp_path, dtype="float32")
+    with sdk_server(config) as running:
+        service = tinker.ServiceClient(base_url=running.url)
+        service.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()  # a session: heartbeats
+        holder = service.holder
+        assert not holder._closed
+    assert holder._closed
