@@ -92,21 +92,28 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.
     monkeypatch.setenv("INFLIGHT_CACHE", str(tmp_path_factory.getbasetemp() / "inflight-cache"))
 
 
+@contextlib.contextmanager
+def closing_sdk_clients() -> Iterator[None]:
+    """Close the `tinker` SDK clients opened inside and left open, at its end. Left open, a client's session
+    heartbeats fail once its server is gone, for the rest of the process: logged into later tests' captured
+    records (a CI failure under xdist) and after pytest's summary. Found by their type: tests and the
+    cookbook's recipes rarely keep a handle to them."""
+    before = {id(holder) for holder in open_sdk_clients()}
+    try:
+        yield
+    finally:
+        for holder in open_sdk_clients():
+            if id(holder) not in before:
+                holder.close()  # idempotent, no request: stops the heartbeats and the connection pools
+
+
 @pytest.fixture
 def close_sdk_sessions() -> Iterator[None]:
-    """Close the `tinker` SDK clients a test opened and left open, at its end, while its server still runs.
-
-    The cookbook's recipes (run unmodified, in-process) never close their ServiceClient, as a script that
-    exits right after need not. Left open, a client's session heartbeats fail once the server is gone,
-    until the interpreter exits, and print after pytest's summary. Found by their type: the recipes keep
-    no handle to them."""
-    import tinker.lib.internal_client_holder  # noqa: F401  (what `open_sdk_clients` looks for)
-
-    before = {id(holder) for holder in open_sdk_clients()}
-    yield
-    for holder in open_sdk_clients():
-        if id(holder) not in before:
-            holder.close()  # idempotent: stops the heartbeats and the connection pools
+    """`closing_sdk_clients` around a test, for servers not made by `sdk_server` (which does it itself):
+    the cookbook's recipes (run unmodified, in-process) never close their ServiceClient, as a script that
+    exits right after need not."""
+    with closing_sdk_clients():
+        yield
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -133,24 +140,16 @@ def open_sdk_clients() -> list[Any]:
 @contextlib.contextmanager
 def sdk_server(config: ServiceConfig, **app_options: Any) -> Iterator[BackgroundServer]:
     """`inflight serve`'s app in-process on a free loopback port, with the environment the `tinker` SDK
-    reads (any API key, no telemetry, the hub offline). Import it from a test module:
-    `from conftest import sdk_server`."""
+    reads (any API key, no telemetry, the hub offline); the SDK clients opened against it are closed when it
+    stops (`closing_sdk_clients`). Import it from a test module: `from conftest import sdk_server`."""
     from inflight.api.app import BackgroundServer, create_app
 
-    before = {id(holder) for holder in open_sdk_clients()}
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TINKER_API_KEY", "tml-test")
-            mp.setenv("TINKER_TELEMETRY", "0")
-            mp.setenv("HF_HUB_OFFLINE", "1")  # a base model named like a hub id is never looked up
-            with BackgroundServer(create_app(config, **app_options)) as running:
-                yield running
-    finally:
-        # The SDK clients opened against this server and left open (most tests): their heartbeats would
-        # fail for the rest of this worker's run, and log it into later tests' captured records.
-        for holder in open_sdk_clients():
-            if id(holder) not in before:
-                holder.close()  # idempotent, no request
+    with closing_sdk_clients(), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINKER_API_KEY", "tml-test")
+        mp.setenv("TINKER_TELEMETRY", "0")
+        mp.setenv("HF_HUB_OFFLINE", "1")  # a base model named like a hub id is never looked up
+        with BackgroundServer(create_app(config, **app_options)) as running:
+            yield running
 
 
 def ready_models(db: Database, base_model: str, count: int, rank: int = 4) -> FutureStore:

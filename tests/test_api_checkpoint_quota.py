@@ -30,7 +30,7 @@ from inflight.api.service import ServiceConfig, ServiceState
 from inflight.api.worker import EngineWorker
 from inflight.auth import tenant_of
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("close_sdk_sessions")]
+pytestmark = pytest.mark.slow  # sdk_server closes the SDK clients the tests leave open
 types = tinker.types
 
 BASE = "tiny-base"

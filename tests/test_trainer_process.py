@@ -118,7 +118,7 @@ def _parent_pid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def test_children_fork_from_one_server_in_this_processes_directory_and_take_paths_relative_to_it(
+def test_children_fork_from_one_server_in_the_parents_directory_and_take_paths_relative_to_it(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Forked from multiprocessing's fork server (which imported torch once), not spawned one by one, and
