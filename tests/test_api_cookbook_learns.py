@@ -49,6 +49,7 @@ RL_PREFIX = [
 ]
 KEYWORDS = {1: "one", 2: "two"}
 KEYWORD_REPEATS = 16
+TRAJECTORIES = 3  # rl_loop runs from one warm-up, at most: one must learn
 
 
 def facts(n: int) -> list[dict[str, Any]]:
@@ -196,24 +197,30 @@ def test_rl_loop_reward_rises(server: BackgroundServer, hub: dict[str, Any], tmp
         )
         return read_jsonl(log_path / "metrics.jsonl")
 
-    # A policy that answers one digit whatever the keyword gives every group equal rewards, so the recipe
-    # takes no more training steps (it logs no optimizer metrics): GRPO's absorbing state, reached before
-    # the keyword was learned in ~1 run of 23 (docs/benchmarks.md). Only then is a second trajectory run
-    # from the same warm-up; a run that trains to the end must learn, and so must the second.
-    runs = [rl_run(tmp_path / "rl")]
-    # The signature is read from the metrics the recipe really logs: the service's optimizer metrics on the
-    # steps it trained (the warm-up's policy answers half right, so the first steps train).
-    assert not collapsed(runs[0][:window], window), runs[0][:window]
-    if collapsed(runs[0], window):
-        runs.append(rl_run(tmp_path / "rl-again"))
-    rewards = [m["reward/total"] for m in runs[-1]]
-    assert len(rewards) == steps
+    # A policy can settle on one digit whatever the keyword before it reads the keyword: GRPO's absorbing
+    # state, where every group's rewards are equal (or nearly: a stray other digit now and then) and the
+    # centred rewards give nothing to leave it by. Two full-suite runs have ended there so far
+    # (docs/benchmarks.md), the runs differing only by the server's unseeded sampling and LoRA init. So a
+    # trajectory that does not learn gets another from the same warm-up, up to TRAJECTORIES; one must learn.
+    # A service that breaks learning fails every one (a control at learning rate 0 stays flat).
+    runs: list[list[dict[str, Any]]] = []
+    while len(runs) < TRAJECTORIES and not (runs and learned(runs[-1], window)):
+        runs.append(rl_run(tmp_path / f"rl-{len(runs)}"))
+        # The warm-up's policy answers half right, so the first steps train: read from the metrics the
+        # recipe really logs (the service's optimizer metrics on the steps it trained).
+        assert not collapsed(runs[-1][:window], window), runs[-1][:window]
+        assert len(runs[-1]) == steps
     # Answering one digit whatever the keyword earns 0.5 on these balanced batches: above it, the policy
     # reads the keyword.
-    assert mean(rewards[-window:]) > max(0.6, mean(rewards[:window]) + 0.15), [
-        [m["reward/total"] for m in run] for run in runs
-    ]
+    assert learned(runs[-1], window), [[m["reward/total"] for m in run] for run in runs]
     assert failed_server(server) == 0
+
+
+def learned(metrics: list[dict[str, Any]], window: int) -> bool:
+    """The last `window` steps' mean reward is above both what a keyword-blind policy earns (0.5; 0.6 is ~4
+    standard errors over 512 samples) and the first `window` steps' mean by 0.15."""
+    rewards = [m["reward/total"] for m in metrics]
+    return mean(rewards[-window:]) > max(0.6, mean(rewards[:window]) + 0.15)
 
 
 def collapsed(metrics: list[dict[str, Any]], window: int) -> bool:
@@ -221,8 +228,12 @@ def collapsed(metrics: list[dict[str, Any]], window: int) -> bool:
     return not any("optimizer_step:max" in m for m in metrics[-window:])
 
 
-def test_collapsed_reads_the_recipes_metrics() -> None:
+def test_learned_and_collapsed_read_the_recipes_metrics() -> None:
     trained = {"reward/total": 0.9, "optimizer_step:max": 70.0}
     stuck = {"reward/total": 0.5}
     assert collapsed([trained] * 4 + [stuck] * 2, window=2)
     assert not collapsed([trained] * 4 + [stuck, trained], window=2)
+    blind = [{"reward/total": r} for r in [0.34, 0.5, 0.45, 0.52, 0.5, 0.5, 0.56, 0.52]]
+    assert not learned(blind, window=4)  # the CI run of 2026-11-30: 0.47 -> 0.52
+    assert learned([{"reward/total": r} for r in [0.45, 0.47, 0.9, 0.95]], window=2)
+    assert not learned([{"reward/total": r} for r in [0.55, 0.55, 0.65, 0.65]], window=2)  # +0.10 only
