@@ -22,7 +22,7 @@ from inflight.api.service import ServiceConfig
 from inflight.auth import OPEN_PATHS, ApiKeyMiddleware, check_api_keys, check_listening, is_loopback
 from inflight.envs.openenv_server import OpenEnvServerConfig
 from inflight.errors import UserError
-from inflight.inference.server import EngineServerConfig
+from inflight.inference.engine_service import EngineServerConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 KEY = "tml-secret"

@@ -29,7 +29,7 @@ import uvicorn
 from websockets.sync.client import connect as ws_connect
 
 import inflight.envs.openenv_server
-import inflight.inference.server
+import inflight.inference.serve_engine
 from conftest import assert_refused_at_once, read_until_closed
 from inflight.auth import BodySizeLimitMiddleware
 from inflight.cli import main
@@ -37,7 +37,8 @@ from inflight.connections import MAX_HEAD_BYTES, default_max_connections
 from inflight.envs.openenv_server import OpenEnvServerConfig
 from inflight.envs.openenv_server import create_app as create_env_app
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig
-from inflight.inference.server import EngineServerConfig, ServerThread
+from inflight.inference.engine_service import EngineServerConfig
+from inflight.inference.server import ServerThread
 from inflight.inference.server import create_app as create_engine_app
 from inflight.models import load_model, load_tokenizer
 
@@ -233,7 +234,7 @@ def test_both_commands_serve_with_the_limits_they_are_given(
         self.started = True
 
     monkeypatch.setattr(uvicorn.Server, "run", record)
-    for module in (inflight.inference.server, inflight.envs.openenv_server):
+    for module in (inflight.inference.serve_engine, inflight.envs.openenv_server):
         monkeypatch.setattr(
             module, "raise_open_files_limit", lambda name=module.__name__: raised.append(name)
         )
@@ -243,7 +244,7 @@ def test_both_commands_serve_with_the_limits_they_are_given(
     env = ["env", "serve", "blackjack", "--port", "0"]
     assert main([*env, "--request-header-timeout-s", "8", "--request-body-timeout-s", "80"]) == 0
     assert served == [(7.0, 70.0, 2**19, 5), (8.0, 80.0, None, default_max_connections())]
-    assert raised == ["inflight.inference.server", "inflight.envs.openenv_server"]
+    assert raised == ["inflight.inference.serve_engine", "inflight.envs.openenv_server"]
 
 
 @pytest.mark.parametrize("command", [["serve-engine", "--model", "m"], ["env", "serve", "blackjack"]])

@@ -44,7 +44,8 @@ from inflight.inference.client import (
     ReplicaError,
     adapter_bytes,
 )
-from inflight.inference.server import EngineServerConfig, ServerThread, create_app
+from inflight.inference.engine_service import EngineServerConfig
+from inflight.inference.server import ServerThread, create_app
 from inflight.inference.wire import SetAdapterRawParams
 from inflight.models import load_model, load_tokenizer
 from inflight.models.chat_template import generation_stop_ids

@@ -33,8 +33,9 @@ from inflight.inference.access import API_KEY_ENV
 from inflight.inference.client import EngineClient, EngineRequestError
 from inflight.inference.engine_loop import EngineLoop
 from inflight.inference.engine_loop import EngineRequestError as LoopRequestError
+from inflight.inference.engine_service import EngineServerConfig
 from inflight.inference.openai_api import CompletionRequest
-from inflight.inference.server import EngineServerConfig, ServerThread, create_app
+from inflight.inference.server import ServerThread, create_app
 from inflight.inference.wire import (
     MAX_BATCH_REQUESTS,
     GenerateBatchRequest,

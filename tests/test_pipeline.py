@@ -27,7 +27,8 @@ import torch
 from inflight.buffer.streams import TrimmedError, open_stream
 from inflight.config import RunConfig
 from inflight.inference.builtin import BuiltinEngine, BuiltinEngineConfig
-from inflight.inference.server import EngineServerConfig, ServerThread, create_app
+from inflight.inference.engine_service import EngineServerConfig
+from inflight.inference.server import ServerThread, create_app
 from inflight.metrics.logger import MetricsLogger
 from inflight.orchestrator.guard import RolloutGuard
 from inflight.orchestrator.pipeline import run_pipeline

@@ -250,7 +250,7 @@ def _cmd_serve_engine(args: argparse.Namespace) -> int:
                     f"--{name.replace('_', '-')} is for --backend {backend} only: drop it, or serve with "
                     f"--backend {backend}"
                 )
-    from inflight.inference.server import serve
+    from inflight.inference.serve_engine import serve
 
     serve(
         model=args.model,

@@ -122,7 +122,8 @@ class EngineReplica:
             return
         import torch
 
-        from inflight.inference.server import EngineServerConfig, ServerThread, create_app
+        from inflight.inference.engine_service import EngineServerConfig
+        from inflight.inference.server import ServerThread, create_app
         from inflight.models import load_tokenizer
         from inflight.models.chat_template import generation_stop_ids
         from inflight.orchestrator.setup import build_engine, load_policy
