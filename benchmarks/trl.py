@@ -2,7 +2,8 @@
 
 Shape (issue 16 item 6): 8 prompts x 8 samples x up to 32 generated tokens per step, 30 steps, lr 1e-3.
 - Model: the tiny preset (random weights, built locally), saved once as a Hugging Face directory in the
-  run directory; every side loads that directory.
+  run directory; every side loads that directory. `--seed N` seeds its weights (the tokenizer, and so the
+  prompts' tokens, stay the preset's) and every side's run: inflight's `seed`, TRL's `GRPOConfig.seed`.
 - Task (`benchmarks/trl_task.py`, imported by both sides): "Task k: write as many digits as you can.";
   reward = digits in the reply / 32, capped at 1, so random weights already earn a graded reward. Problem
   k of step s is k = 8 s + i on every side (TRL's dataset unshuffled, inflight's train problems in order).
@@ -66,6 +67,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--lr", type=float, default=1e-3, help="learning rate, the same on every side (default %(default)s)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=at_least(0),
+        default=0,
+        help="seeds the tiny model's random weights and every side's run (inflight's `seed`, TRL's "
+        "GRPOConfig seed); repeat with other seeds to see the spread (default %(default)s)",
     )
     parser.add_argument("--sides", default="async,sync,trl", help="comma-separated subset of async,sync,trl")
     parser.add_argument("--run-dir", help="where the model, logs and result go (default runs/bench-trl-TIME)")
@@ -174,6 +182,7 @@ def run_inflight(
     cfg = RunConfig(
         recipe="bench-trl",
         mode=mode,
+        seed=args.seed,
         run_dir=str(out),
         progress=False,
         model=ModelConfig(path=str(model_dir)),
@@ -236,7 +245,7 @@ def run_trl(python: Path, model_dir: Path, out: Path, args: argparse.Namespace) 
         str(python), "-m", "benchmarks.trl_side",
         "--model", str(model_dir), "--out", str(out),
         "--steps", str(args.steps), "--prompts", str(args.prompts), "--samples", str(args.samples),
-        "--new-tokens", str(args.new_tokens), "--lr", str(args.lr),
+        "--new-tokens", str(args.new_tokens), "--lr", str(args.lr), "--seed", str(args.seed),
     ]  # fmt: skip
     # Run from the repository root so that `import trl` finds TRL and not benchmarks/trl.py.
     # Its output (TRL's own log lines among it) goes to stderr: stdout ends with this benchmark's JSON line.
@@ -292,6 +301,7 @@ def fairness(args: argparse.Namespace, model_dir: Path, trl_meta: dict[str, Any]
         "stop_token_ids": {"inflight": stop_ids, "trl": trl_meta.get("eos_token_ids")},
         "shape": f"{args.prompts} prompts x {args.samples} samples x {args.new_tokens} tokens",
         "steps": args.steps,
+        "seed": args.seed,
         "sampling": "temperature 1, no top-p, no top-k",
         "loss": "-min(r A, clip(r, 0.8, 1.2) A), mean over the step's generated tokens: inflight "
         "loss.name=ppo, loss.reduction=token_mean; TRL loss_type=dapo, epsilon=0.2, beta=0",
@@ -319,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     from inflight.models import build_tiny
 
     threads = torch.get_num_threads()  # torch's default here, before any side changes it
-    model_dir = build_tiny(run_dir / "model", preset="tiny", seed=0)
+    model_dir = build_tiny(run_dir / "model", preset="tiny", seed=args.seed)
     per_step = args.prompts * args.samples
     sides: dict[str, Steps] = {}
     modes: tuple[Literal["async", "sync"], ...] = ("async", "sync")

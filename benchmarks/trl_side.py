@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--samples", type=at_least(2), required=True)
     parser.add_argument("--new-tokens", type=at_least(1), required=True)
     parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--seed", type=at_least(0), required=True)
     args = parser.parse_args()
     out = Path(args.out)
     per_step = args.prompts * args.samples
@@ -113,7 +114,7 @@ def main() -> None:
         disable_tqdm=True,
         use_cpu=True,
         bf16=False,
-        seed=0,
+        seed=args.seed,
     )
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     trainer = RecordingGRPOTrainer(

@@ -31,6 +31,14 @@ def test_defaults_are_the_issues_shape(bench: ModuleType) -> None:
     assert args.sides == ["async", "sync", "trl"]
     assert args.trl_version == bench.TRL_VERSION == "1.16.0"
     assert bench.parse_args(["--sides", "sync,trl"]).sides == ["sync", "trl"]
+    assert args.seed == 0 and bench.parse_args(["--seed", "2"]).seed == 2  # the weights' and every side's
+
+
+def test_a_negative_seed_is_refused(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--seed", "-1"])
+    assert exit_info.value.code == 2
+    assert "--seed" in capsys.readouterr().err
 
 
 def test_unknown_side_is_refused(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
