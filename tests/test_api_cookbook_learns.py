@@ -32,8 +32,8 @@ from conftest import sdk_server
 from inflight.api.app import BackgroundServer
 from inflight.api.service import ServiceConfig, ServiceState
 
-# The recipes leave their SDK clients open: closed after each test, while the server runs.
-pytestmark = pytest.mark.slow  # sdk_server closes the SDK clients the recipes leave open
+# The recipes leave their SDK clients open: `sdk_server` closes them when the module's server stops.
+pytestmark = pytest.mark.slow
 
 BASE = "meta-llama/Llama-3.2-1B"  # in the cookbook's registry: its role_colon renderer takes any tokenizer
 SL_DATA, RL_DATA = "HuggingFaceH4/no_robots", "openai/gsm8k"  # the recipes' hard-coded datasets
