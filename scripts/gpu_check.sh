@@ -27,27 +27,35 @@ step() {  # name, seconds, command...
 }
 nvidia-smi -L
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-# 1. The gpu-marked tests: engine (fast and HF runners, sampled and raw logprobs, seeded rows), trainer, and
-#    the data-parallel trainer and the sharded (FSDP2) one on one NCCL rank.
-step gpu_tests 140 python3 -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_engine_lora.py tests/test_trainer_lora.py \
-    tests/test_trainer_distributed.py tests/test_trainer_fsdp.py
+# 1. The gpu-marked tests: engine (fast and HF runners, sampled and raw logprobs, seeded rows), each model
+#    family's engine against HF, trainer, and the data-parallel trainer and the sharded (FSDP2) one on one
+#    NCCL rank.
+step gpu_tests 180 python3 -m pytest -p no:cacheprovider -q -rA -m gpu tests/test_engine_lora.py tests/test_trainer_lora.py \
+    tests/test_trainer_distributed.py tests/test_trainer_fsdp.py tests/test_model_families.py
 # 2. The Engine contract (tests/test_engine_contract.py) against the built-in engine on CUDA.
 INFLIGHT_TEST_VLLM=0 step engine_contract 90 python3 -m pytest -p no:cacheprovider -q -rfE \
     tests/test_engine_contract.py -k cuda
 # 3. The service on its default device (auto: CUDA here), driven by the tinker SDK.
 step service_sdk 150 python3 -m pytest -p no:cacheprovider -q -rfE -x tests/test_api_sdk.py tests/test_service_compute.py
-# 4. The pipeline: BlackJack with the engine and the trainer on the GPU, a few steps end to end.
-step blackjack 130 python3 -m inflight.cli run blackjack engine.device=cuda trainer.device=cuda \
-    grpo.steps=6 warmup.sft_steps=20 eval.num_episodes=400 eval.num_episodes_sampled=200 \
-    eval.every_steps=3 eval.num_episodes_during=200 run_dir="$OUT/blackjack-run" metrics.print_every_steps=1
-# What the CUDA run did: shared prefixes in the trainer (forward tokens below the batch's), engine-trainer
+# 4. The pipeline: BlackJack with the engine and the trainer on the GPU, a few steps end to end, training
+#    every parameter and then a LoRA adapter (trainer.lora_rank: weight sync ships the adapter alone). Run
+#    directories stay outside $OUT, whose file count is limited.
+BJ=(grpo.steps=6 warmup.sft_steps=20 eval.num_episodes=400 eval.num_episodes_sampled=200 eval.every_steps=3
+    eval.num_episodes_during=200 metrics.print_every_steps=1 engine.device=cuda trainer.device=cuda)
+step blackjack 130 python3 -m inflight.cli run blackjack "${BJ[@]}" run_dir=/tmp/inflight-gpu-blackjack
+step blackjack_lora 130 python3 -m inflight.cli run blackjack "${BJ[@]}" trainer.lora_rank=8 \
+    run_dir=/tmp/inflight-gpu-blackjack-lora
+# What the CUDA runs did: shared prefixes in the trainer (forward tokens below the batch's), engine-trainer
 # parity, and any layout the trainer fell back from (a warning in its log).
-python3 - "$OUT/blackjack-run/metrics.jsonl" <<'PY'
+for run in blackjack blackjack_lora; do
+    echo "=== $run, per training step"
+    python3 - "/tmp/inflight-gpu-${run/_/-}/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-train = [r for r in rows if r.get("phase") == "train"]
-keys = ("num_tokens", "forward_tokens", "logprob_parity_max_abs", "step_s")
-for r in train:
-    print({k: r.get(k) for k in keys})
+keys = ("num_tokens", "forward_tokens", "logprob_parity_max_abs", "step_s", "weight_publish_s")
+for r in rows:
+    if r.get("phase") == "train":
+        print({k: r.get(k) for k in keys})
 PY
-grep -i "warn" "$OUT/blackjack.log" | head -5 || true
+    grep -i "warn" "$OUT/$run.log" | head -5 || true
+done

@@ -173,6 +173,25 @@ def test_weight_update_between_decode_steps(family: tuple[str, Any]) -> None:
         assert max_diff(out.logprobs[3:], tail) < 1e-4, name
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_sampled_logprobs_match_hf_on_the_cpu(family: tuple[str, Any]) -> None:
+    """Each family's engine on the GPU (weights, cache and sampling there; the runner it picks on the CPU),
+    held to HF's float32 forward on the CPU with TF32 off, at the other GPU tests' 1e-3."""
+    name, model = family
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = engine_for(model, device="cuda")
+    assert engine.device.type == "cuda" and engine.runner == FAMILIES[name][1]
+    requests = [
+        SampleRequest(p, SamplingParams(max_tokens=8 + 4 * i, temperature=t, seed=i))
+        for i, (p, t) in enumerate(zip(prompts([3, 9, 20]), [1.0, 0.7, 1.0], strict=True))
+    ]
+    for r, out in zip(requests, engine.generate(requests), strict=True):
+        assert len(out.token_ids) == r.params.max_tokens
+        reference = hf_logprobs(model, r.prompt_token_ids, out.token_ids, r.params.temperature)
+        assert max_diff(out.logprobs, reference) < 1e-3, name
+
+
 def test_generic_path_keeps_tied_embeddings_tied() -> None:
     """An update may leave out a tied copy (lm_head.weight): the generic path installs the embedding twice."""
     model = random_model(transformers.Qwen2Config(**SHAPE, num_key_value_heads=2, tie_word_embeddings=True))
