@@ -7,6 +7,8 @@ is top_k=50) and produce exactly --new-tokens per prompt. Prints one JSON line l
 Run: `inflight bench engine [--model DIR]` (default: the tiny preset, built locally). `--vocab-size N` times
 the tiny preset's shape with an N-token vocabulary instead (random weights, no tokenizer: the prompts are
 random ids), where sampling over the vocabulary costs what it does for a real model (Qwen2.5: 151,936).
+`--device cuda` runs both sides on a GPU (the engine's `device`, HF's model and prompts), each timed run
+ending when the device has finished; the default stays the CPU.
 
 `--backend vllm` also times vLLM (CPU build, `serve-engine --backend vllm` in the environment
 `launch/vllm_env.py` builds, float32) on the same model and requests, keys `vllm_*`. Its figures include
@@ -108,6 +110,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="for all (vLLM: float32)"
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="auto, cpu, cuda or cuda:N, for the engine and HF alike (default %(default)s; not with vllm)",
+    )
+    parser.add_argument(
         "--backend",
         choices=["builtin", "vllm"],
         default="builtin",
@@ -132,8 +139,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--backend vllm runs float32 (serve-engine's vLLM dtype): drop --dtype")
     if args.vocab_size is not None and (args.model or args.backend == "vllm"):
         parser.error("--vocab-size builds a model in memory: not with --model or --backend vllm")
+    if args.backend == "vllm" and args.device != "cpu":
+        parser.error("--backend vllm times the CPU build of vLLM: drop --device")
     if args.model:
         check_model_dir(args.model)  # what `inflight run` checks: one line for a path that holds no model
+    from inflight.models.device import resolve_device
+
+    device = resolve_device(args.device, key="--device")  # one line where this machine lacks it
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
@@ -162,6 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab, (args.batch_size, args.prompt_tokens), generator=generator)
+    params_count = sum(p.numel() for p in model.parameters())
 
     lora_rows = args.adapters * args.adapter_requests
     max_batch_size, max_seq_len_tokens = max(args.batch_size, lora_rows), args.prompt_tokens + args.new_tokens
@@ -171,8 +184,11 @@ def main(argv: list[str] | None = None) -> dict:
             max_batch_size=max_batch_size,
             max_seq_len_tokens=max_seq_len_tokens,
             dtype=args.dtype,
+            device=str(device),
         ),
     )
+    # HF's side on the same device (the engine keeps copies of its own); prompts go as ids to both.
+    model, hf_prompts = model.to(device), prompts.to(device)
     # No stop tokens: exactly new_tokens per request, like HF with min_new_tokens.
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, top_k=args.top_k)
 
@@ -182,8 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     def run_hf() -> int:
         with torch.inference_mode():
             out = model.generate(
-                prompts,
-                attention_mask=torch.ones_like(prompts),
+                hf_prompts,
+                attention_mask=torch.ones_like(hf_prompts),
                 do_sample=True,
                 temperature=1.0,
                 top_k=args.top_k,
@@ -192,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
                 min_new_tokens=args.new_tokens,
                 pad_token_id=0,
             )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the engine's side returns token lists, so it has waited too
         return (out.shape[1] - prompts.shape[1]) * out.shape[0]
 
     # Multi-LoRA: random adapters (B nonzero, as after training) on every attention and MLP projection.
@@ -270,10 +288,11 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "prompt_tokens": args.prompt_tokens,
         "top_k": args.top_k,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": params_count,
         "vocab_size": vocab,
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
+        "device": str(device),
         "timing": f"best of {args.repeats} after a warm-up, all four runs alternating",
     }
     if args.backend == "vllm":

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import one_line_error
 from inflight.cli import BENCHMARKS, main
@@ -125,6 +126,24 @@ def test_a_model_path_without_a_model_is_inflight_runs_one_line(
     empty.mkdir()
     line = one_line_error(capsys, "bench", name, "--model", str(empty))
     assert "has no config.json" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_engine_on_a_device_this_machine_lacks_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    line = one_line_error(capsys, "bench", "engine", "--device", "cuda")
+    assert line == (
+        "inflight: error: --device='cuda' but this machine has no CUDA device: set --device=cpu (or auto)"
+    )
+    line = one_line_error(capsys, "bench", "engine", "--device", "gpu")
+    assert line == "inflight: error: --device='gpu' is not a device name: use auto, cpu, cuda or cuda:N"
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own: its usage, then the line
+        main(["bench", "engine", "--device", "auto", "--backend", "vllm"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert last == "inflight bench engine: error: --backend vllm times the CPU build of vLLM: drop --device"
 
 
 def test_a_zero_count_from_the_real_entry_point() -> None:

@@ -54,7 +54,7 @@ def test_a_vocabulary_of_any_size(capsys: pytest.CaptureFixture[str]) -> None:
     bench = importlib.import_module("benchmarks.engine")
     settings = ["--batch-size", "3", "--new-tokens", "2", "--prompt-tokens", "3", "--repeats", "1"]
     result = bench.main([*settings, "--adapters", "2", "--adapter-requests", "2", "--vocab-size", "50000"])
-    assert result["vocab_size"] == 50000 and set(BUILTIN_KEYS) <= set(result)
+    assert result["vocab_size"] == 50000 and set(BUILTIN_KEYS) <= set(result) and result["device"] == "cpu"
     assert result["tokens_per_s"] > 0 and result["multi_lora_tokens_per_s"] > 0
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--vocab-size", "50000", "--model", "some/dir"])
