@@ -23,7 +23,7 @@ BUILTIN_KEYS = [
     "tokens_per_s", "hf_tokens_per_s", "ratio_vs_hf", "multi_lora_tokens_per_s",
     "multi_lora_one_at_a_time_tokens_per_s", "ratio_multi_lora_batched", "adapters", "adapter_requests",
     "lora_rank", "batch_size", "new_tokens", "prompt_tokens", "top_k", "params", "vocab_size", "threads",
-    "dtype", "timing",
+    "dtype", "device", "timing",
 ]  # fmt: skip
 
 
