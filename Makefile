@@ -32,14 +32,13 @@ sysdeps:
 	bash scripts/sysdeps.sh
 
 # Two workers (pytest-xdist), each running whole files, so that a module's fixtures (a file's private Ray,
-# its server) stay one per file; the longest files first, in the order tests/conftest.py gives them. In one
-# process the suite leaves about half of two cores idle, waiting on servers, subprocesses and deadlines
-# (docs/benchmarks.md, "The test suite on two workers").
+# its server) stay one per file. In one process the suite leaves about half of two cores idle, waiting on
+# servers, subprocesses and deadlines (docs/benchmarks.md, "The test suite on two workers").
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
 unit: $(STAMP) sysdeps
-	$(BIN)/pytest -q --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/pytest -q --durations=40 -n $(TEST_WORKERS) --dist loadfile
 
 test: lint typecheck unit
 

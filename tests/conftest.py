@@ -116,31 +116,6 @@ def close_sdk_sessions() -> Iterator[None]:
         yield
 
 
-# The files that take longest, run first, longest first (worker-seconds under `CI=1 make test`'s two workers,
-# EPYC Zen 3, 2026-11-30: 1,084, 208, 194, 166, 152, 145, 100, 97, 78, 72, 69, of 3,389 in all). Each worker
-# runs whole files (`--dist loadfile`, `--no-loadscope-reorder`), so a long file begun late leaves the other
-# worker idle while it runs: in collection order one worker stopped 195 s before the other. Every other file
-# follows in collection order. A file missing from the list only runs later; nothing else depends on it.
-LONGEST_FIRST = (
-    "test_launch_ray.py",
-    "test_api_cookbook_learns.py",
-    "test_examples.py",
-    "test_external_engine_outage.py",
-    "test_launch_vllm.py",
-    "test_e2e_arithmetic.py",
-    "test_pipeline_resume.py",
-    "test_pipeline.py",
-    "test_engine_contract.py",
-    "test_e2e_blackjack.py",
-    "test_engine_process.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order kept
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Close every `tinker` SDK client still open when the tests end. One left open by a test (CI saw one,
     from a test outside `close_sdk_sessions`) heartbeats a server long gone for the rest of the run and
