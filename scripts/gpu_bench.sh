@@ -1,32 +1,16 @@
 #!/usr/bin/env bash
-# Speed on a CUDA device, in one pass that fits a short lease on a GPU machine; run from the repository root:
-# `bash scripts/gpu_bench.sh` (its last figures: docs/benchmarks.md, "On a GPU"). Dependencies as in
-# scripts/gpu_check.sh (wheels in .whl/ where the machine lacks them). Each step has its own time limit and
-# its log lands in $OUT.
+# Speed on a CUDA device, in one pass that fits a short lease on a GPU machine; run from the repository
+# root: `bash scripts/gpu_bench.sh` (its last figures: docs/benchmarks.md, the `bench engine --device cuda`
+# row). Dependencies as in scripts/gpu_check.sh (wheels in .whl/ where the machine lacks them). Each step
+# has its own time limit and its log lands in $OUT.
 #
 # `inflight bench engine --device cuda`: the built-in engine against HF `generate` on the GPU, on the tiny
 # preset (float32) and on a model of Qwen2.5-0.5B's shape (random weights built here, no download; 494 M
 # parameters, bfloat16), each with its multi-LoRA case.
 set -u
 OUT=${OUT:-/tmp/inflight-gpu-bench}
-mkdir -p "$OUT"
-if ! python3 -c "import fastapi, tinker" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-step() {  # name, seconds, command...
-    local name=$1 limit=$2 start=$SECONDS
-    shift 2
-    echo "=== $name"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    tail -n 4 "$OUT/$name.log"
-    echo "=== $name: exit $rc after $((SECONDS - start)) s"
-}
-nvidia-smi -L
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+STEP_TAIL_LINES=4
+source scripts/gpu_common.sh
 QWEN=/tmp/inflight-qwen2.5-0.5b-shape
 python3 - "$QWEN" <<'PY'
 import sys, torch, transformers

@@ -9,24 +9,7 @@
 # log lands in $OUT.
 set -u
 OUT=${OUT:-/tmp/inflight-gpu-check}
-mkdir -p "$OUT"
-if ! python3 -c "import fastapi, tinker" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-step() {  # name, seconds, command...
-    local name=$1 limit=$2 start=$SECONDS
-    shift 2
-    echo "=== $name"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    tail -n 25 "$OUT/$name.log"
-    echo "=== $name: exit $rc after $((SECONDS - start)) s"
-}
-nvidia-smi -L
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+source scripts/gpu_common.sh
 # 1. The gpu-marked tests: engine (fast and HF runners, sampled and raw logprobs, seeded rows), each model
 #    family's engine against HF, trainer, and the data-parallel trainer and the sharded (FSDP2) one on one
 #    NCCL rank.
