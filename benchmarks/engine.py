@@ -174,7 +174,6 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab, (args.batch_size, args.prompt_tokens), generator=generator)
-    params_count = sum(p.numel() for p in model.parameters())
 
     lora_rows = args.adapters * args.adapter_requests
     max_batch_size, max_seq_len_tokens = max(args.batch_size, lora_rows), args.prompt_tokens + args.new_tokens
@@ -288,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "prompt_tokens": args.prompt_tokens,
         "top_k": args.top_k,
-        "params": params_count,
+        "params": sum(p.numel() for p in model.parameters()),
         "vocab_size": vocab,
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,

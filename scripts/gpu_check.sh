@@ -22,17 +22,17 @@ INFLIGHT_TEST_VLLM=0 step engine_contract 90 python3 -m pytest -p no:cacheprovid
 step service_sdk 150 python3 -m pytest -p no:cacheprovider -q -rfE -x tests/test_api_sdk.py tests/test_service_compute.py
 # 4. The pipeline: BlackJack with the engine and the trainer on the GPU, a few steps end to end, training
 #    every parameter and then a LoRA adapter (trainer.lora_rank: weight sync ships the adapter alone). Run
-#    directories stay outside $OUT, whose file count is limited.
+#    directories (/tmp/inflight-gpu-STEP) stay outside $OUT, whose file count is limited.
 BJ=(grpo.steps=6 warmup.sft_steps=20 eval.num_episodes=400 eval.num_episodes_sampled=200 eval.every_steps=3
     eval.num_episodes_during=200 metrics.print_every_steps=1 engine.device=cuda trainer.device=cuda)
 step blackjack 130 python3 -m inflight.cli run blackjack "${BJ[@]}" run_dir=/tmp/inflight-gpu-blackjack
 step blackjack_lora 130 python3 -m inflight.cli run blackjack "${BJ[@]}" trainer.lora_rank=8 \
-    run_dir=/tmp/inflight-gpu-blackjack-lora
+    run_dir=/tmp/inflight-gpu-blackjack_lora
 # What the CUDA runs did: shared prefixes in the trainer (forward tokens below the batch's), engine-trainer
 # parity, and any layout the trainer fell back from (a warning in its log).
 for run in blackjack blackjack_lora; do
     echo "=== $run, per training step"
-    python3 - "/tmp/inflight-gpu-${run/_/-}/metrics.jsonl" <<'PY'
+    python3 - "/tmp/inflight-gpu-$run/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 keys = ("num_tokens", "forward_tokens", "logprob_parity_max_abs", "step_s", "weight_publish_s")

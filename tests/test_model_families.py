@@ -175,11 +175,13 @@ def test_weight_update_between_decode_steps(family: tuple[str, Any]) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_sampled_logprobs_match_hf_on_the_cpu(family: tuple[str, Any]) -> None:
+def test_on_cuda_sampled_logprobs_match_hf_on_the_cpu(
+    family: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each family's engine on the GPU (weights, cache and sampling there; the runner it picks on the CPU),
     held to HF's float32 forward on the CPU with TF32 off, at the other GPU tests' 1e-3."""
     name, model = family
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     engine = engine_for(model, device="cuda")
     assert engine.device.type == "cuda" and engine.runner == FAMILIES[name][1]
     requests = [
