@@ -54,6 +54,7 @@ from inflight.auth import ApiKeyMiddleware, BodySizeLimitMiddleware, check_liste
 from inflight.config import RayConfig
 from inflight.connections import deadline_protocol, raise_open_files_limit
 from inflight.errors import UserError
+from inflight.gc_tuning import long_lived_frozen
 from inflight.preflight import bind_port, check_database, check_model_dir, check_port, ensure_dir, serve_on
 from inflight.types import DtypeName
 
@@ -102,7 +103,8 @@ def create_app(
         )
         app.state.service = state
         try:
-            yield
+            with long_lived_frozen():  # the models and the imports: out of the collector's way (gc_tuning.py)
+                yield
         finally:
             # Under `inflight serve` a signal has drained already (GracefulServer); this returns at once then.
             await asyncio.to_thread(shutdown.drain, "the app's lifespan ended")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from inflight.config import RunConfig
 from inflight.envs.base import Environment
 from inflight.errors import UserError, describe
+from inflight.gc_tuning import long_lived_frozen
 from inflight.metrics.logger import METRICS_FILE, MetricsLogger, read_metrics
 from inflight.metrics.plot import plot_run
 from inflight.orchestrator.drivers import Driver, InlineDriver
@@ -148,6 +149,8 @@ def run(
                 logger.log(first_step, summary, phase="summary")
                 return _finish(run_dir, summary)
 
+            # The imports and the model, most of the heap: the collector leaves them alone until the end.
+            stack.enter_context(long_lived_frozen())
             chat = ChatFormat.for_model(tokenizer, model)
             _warm_up(cfg, task, model, tokenizer, chat, train_problems, run_dir, first_step, logger, stop)
             if stop is not None and stop.reason is not None:
