@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from inflight.gc_tuning import long_lived_frozen
+from inflight.gc_tuning import freeze_long_lived, long_lived_frozen
 
 
 class Node:
@@ -68,3 +68,9 @@ def test_blocks_may_overlap_and_the_first_end_unfreezes_all() -> None:
     with long_lived_frozen(), long_lived_frozen() as inner:
         assert inner > 0 and gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_freezing_for_good_keeps_the_objects_frozen() -> None:
+    kept = Node()
+    assert freeze_long_lived() == gc.get_freeze_count() > 0
+    assert not any(o is kept for o in gc.get_objects())

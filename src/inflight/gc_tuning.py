@@ -23,14 +23,22 @@ import gc
 from collections.abc import Iterator
 
 
+def freeze_long_lived() -> int:
+    """Exempt every object alive now from the cyclic collector for good (see the module docstring); returns
+    how many are frozen. For a process that lives as long as what it has built (a Ray actor's); elsewhere
+    `long_lived_frozen`, which unfreezes them at its end."""
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 @contextlib.contextmanager
 def long_lived_frozen() -> Iterator[int]:
     """Within the block, the objects alive at its start are exempt from the cyclic collector (see the
     module docstring); yields how many are frozen. At its end they are collected again as usual. Enter it
     once the process has built what the block keeps (the model, the engine, the trainer); nested or
     overlapping blocks are harmless, the first end unfreezes them all."""
-    gc.freeze()
+    frozen = freeze_long_lived()
     try:
-        yield gc.get_freeze_count()
+        yield frozen
     finally:
         gc.unfreeze()

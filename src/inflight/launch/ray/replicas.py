@@ -122,6 +122,7 @@ class EngineReplica:
             return
         import torch
 
+        from inflight.gc_tuning import freeze_long_lived
         from inflight.inference.engine_service import EngineServerConfig
         from inflight.inference.server import ServerThread, create_app
         from inflight.models import load_tokenizer
@@ -140,6 +141,7 @@ class EngineReplica:
         app = create_app(engine, load_tokenizer(str(cfg.model.path)), server_cfg, generation_stop_ids(model))
         self.process, self.server = None, ServerThread(app, host=host, port=port).start()
         self.url = self.server.url
+        freeze_long_lived()  # the actor's process lives as long as this engine (gc_tuning.py)
 
     def info(self) -> ReplicaInfo:
         pid = os.getpid() if self.process is None else self.process.pid
