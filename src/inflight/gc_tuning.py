@@ -4,8 +4,8 @@ CPython's collector traces every tracked object of the generations it collects. 
 everything that survived, here ~365,000 objects of torch's, transformers' and our imports alone, so a
 process that allocates as it runs (the rollouts' episodes and requests, the engine's bookkeeping, the
 service's requests) pays a trace of that whole heap every few seconds: during `inflight run blackjack` on
-2 cores (AMD EPYC Zen 3), 22 full collections of up to 420 ms in 181 s, 1.55-1.71 s of each 100 GRPO
-steps' ~35 s, on the core that runs the engine and the rollouts (docs/benchmarks.md, thirty-fourth
+2 cores (AMD EPYC Zen 3), 22 full collections of up to 420 ms in 181 s, 1.55-2.27 s of each 100 GRPO
+steps' 35-57 s, on the core that runs the engine and the rollouts (docs/benchmarks.md, thirty-fourth
 session). `gc.freeze()` moves every object alive into a permanent generation the collector never traces;
 objects made afterwards are collected as before. Frozen objects are still freed by reference counting: only
 reference cycles among them (garbage already, or garbage later) stay until `gc.unfreeze()`, which the
