@@ -38,8 +38,8 @@ def nothing_frozen_around() -> Iterator[None]:
 
 def test_objects_alive_at_the_start_are_frozen_until_the_end() -> None:
     kept = Node()
-    with long_lived_frozen() as frozen:
-        assert frozen > 0
+    with long_lived_frozen():
+        assert gc.get_freeze_count() > 0
         assert not any(o is kept for o in gc.get_objects())  # in no generation the collector traces
     assert gc.get_freeze_count() == 0
     assert any(o is kept for o in gc.get_objects())  # back among the collector's objects
@@ -65,12 +65,13 @@ def test_a_cycle_of_frozen_objects_dropped_inside_is_collected_once_the_block_en
 
 
 def test_blocks_may_overlap_and_the_first_end_unfreezes_all() -> None:
-    with long_lived_frozen(), long_lived_frozen() as inner:
-        assert inner > 0 and gc.get_freeze_count() > 0
+    with long_lived_frozen(), long_lived_frozen():
+        assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
 
 
 def test_freezing_for_good_keeps_the_objects_frozen() -> None:
     kept = Node()
-    assert freeze_long_lived() > 0 and gc.get_freeze_count() > 0
+    freeze_long_lived()
+    assert gc.get_freeze_count() > 0
     assert not any(o is kept for o in gc.get_objects())

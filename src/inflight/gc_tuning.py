@@ -23,22 +23,22 @@ import gc
 from collections.abc import Iterator
 
 
-def freeze_long_lived() -> int:
-    """Exempt every object alive now from the cyclic collector for good (see the module docstring); returns
-    how many are frozen. For a process that lives as long as what it has built (a Ray actor's); elsewhere
-    `long_lived_frozen`, which unfreezes them at its end."""
+def freeze_long_lived() -> None:
+    """Exempt every object alive now from the cyclic collector for good (see the module docstring). For a
+    process that lives as long as what it has built (the pipeline's trainer process, `serve-engine`, a Ray
+    replica's actor); code that may run several times in one process uses `long_lived_frozen`, which
+    unfreezes them at its end."""
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 @contextlib.contextmanager
-def long_lived_frozen() -> Iterator[int]:
+def long_lived_frozen() -> Iterator[None]:
     """Within the block, the objects alive at its start are exempt from the cyclic collector (see the
-    module docstring); yields how many are frozen. At its end they are collected again as usual. Enter it
+    module docstring). At its end they are collected again as usual. Enter it
     once the process has built what the block keeps (the model, the engine, the trainer); nested or
     overlapping blocks are harmless, the first end unfreezes them all."""
-    frozen = freeze_long_lived()
+    freeze_long_lived()
     try:
-        yield frozen
+        yield
     finally:
         gc.unfreeze()

@@ -20,7 +20,7 @@ import uvicorn
 
 from inflight.connections import raise_open_files_limit
 from inflight.errors import UserError
-from inflight.gc_tuning import long_lived_frozen
+from inflight.gc_tuning import freeze_long_lived
 from inflight.inference.access import check_engine_listening
 from inflight.inference.backends import Backend, VllmOptions, load_backend
 from inflight.inference.engine_service import EngineServerConfig, EngineService
@@ -104,20 +104,19 @@ def serve(
         )
         app = create_app(engine, load_tokenizer(model), config, stop_ids)
         # No access log: a pipeline sends thousands of requests a minute; /metrics counts them instead.
-        # The model and the imports out of the collector's way while it serves (gc_tuning.py).
-        with long_lived_frozen():
-            serve_on(
-                sock,
-                app,
-                host,
-                port,
-                make_server=lambda uvicorn_config: _StoppingServer(uvicorn_config, app.state.service),
-                log_level=log_level,
-                access_log=False,
-                http=app.state.http_protocol,
-                # A bound on what stopping the engine loop does not end (a body still arriving, say).
-                timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
-            )
+        freeze_long_lived()  # the `serve-engine` process lives as long as this engine (gc_tuning.py)
+        serve_on(
+            sock,
+            app,
+            host,
+            port,
+            make_server=lambda uvicorn_config: _StoppingServer(uvicorn_config, app.state.service),
+            log_level=log_level,
+            access_log=False,
+            http=app.state.http_protocol,
+            # A bound on what stopping the engine loop does not end (a body still arriving, say).
+            timeout_graceful_shutdown=_CONNECTIONS_CLOSE_S,
+        )
 
 
 class _StoppingServer(uvicorn.Server):

@@ -41,7 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from inflight.errors import UserError
-from inflight.gc_tuning import long_lived_frozen
+from inflight.gc_tuning import freeze_long_lived
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.trainer import Trainer
 from inflight.types import AdapterUpdate, TrainSample
@@ -282,13 +282,7 @@ def _serve(
         conn.send(_failure(e))
         return
     conn.send((True, None))
-    with long_lived_frozen():  # the model and the imports: out of the collector's way (gc_tuning.py)
-        _answer_calls(trainer, conn)
-
-
-def _answer_calls(trainer: Trainer, conn: multiprocessing.connection.Connection) -> None:
-    """The child's loop: each message a call of the trainer's, answered; until told to stop, or the parent
-    is gone."""
+    freeze_long_lived()  # this process lives as long as the trainer (gc_tuning.py)
     while True:
         try:
             message = conn.recv()
