@@ -253,7 +253,17 @@ def test_a_fault_in_a_sampling_batch_fails_only_its_job(tiny_model_dir: Path) ->
                 raise MemoryError("Unable to allocate 10.9 TiB")
             return real_prefill(prompts, *args)
 
+        real_merged = runner.decode_and_prefill
+
+        def decode_and_prefill(
+            tokens: list[int], positions: list[int], prompts: list[list[int]], *args: Any
+        ) -> Any:
+            if any(MARK in prompt for prompt in prompts):  # a newcomer joining running rows: the same fault
+                raise MemoryError("Unable to allocate 10.9 TiB")
+            return real_merged(tokens, positions, prompts, *args)
+
         runner.prefill = prefill  # type: ignore[method-assign]
+        runner.decode_and_prefill = decode_and_prefill  # type: ignore[method-assign]
         hostile = SampleJob(None, BASE, [5, MARK], max_tokens=3)
         futures = [sampler.submit(job) for job in (jobs[0], hostile, jobs[1], jobs[2])]
         with pytest.raises(Exception, match=r"10\.9 TiB"):

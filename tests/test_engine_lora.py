@@ -15,7 +15,7 @@ import transformers
 from inflight.errors import UserError
 from inflight.inference import BuiltinEngine, BuiltinEngineConfig
 from inflight.inference.adapters import FusedAdapter, LoraStacks, parse_adapter
-from inflight.types import AdapterUpdate, SampleRequest, SamplingParams
+from inflight.types import AdapterUpdate, Completion, SampleRequest, SamplingParams
 from test_engine_contract import (
     VOCAB,
     make_adapter,
@@ -181,6 +181,114 @@ def test_one_packed_prefill_of_unequal_prompts_and_adapters_equals_the_merged_re
         assert out.token_ids == logits.argmax(-1).tolist()
         expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
         assert (torch.tensor(out.logprobs) - expected).abs().max() < 1e-4
+
+
+def _joining_step(
+    model, mark: int | None = None
+) -> tuple[BuiltinEngine, list[SampleRequest], list[str | None]]:
+    """An engine (two adapters, a prefix cache) with two rows running, and newcomers waiting to join them
+    at its next step: a fresh prompt (adapter b), a GRPO-like group of one prompt twice (adapter a: one
+    leader, one copy), a next turn of a finished episode (base: it resumes that episode's cached K/V) and,
+    with `mark`, a prompt holding that token. Returns the engine, every request and their adapters."""
+    engine = engine_for(model, prefix_cache_rows=4)
+    for name, rank, seed in [("a", 4, 1), ("b", 2, 2)]:
+        engine.set_adapter(make_adapter(model, name, rank=rank, seed=seed, version=1))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    first_turn = SampleRequest(prompts([7], seed=3)[0], greedy)
+    (done,) = engine.generate([first_turn])
+    next_turn = first_turn.prompt_token_ids + done.token_ids + prompts([4], seed=4)[0]
+    running = [SampleRequest(p, greedy, adapter=n) for p, n in zip(prompts([5, 9]), [None, "a"], strict=True)]
+    for request in running:
+        engine.add_request(request)
+    engine.step()  # prefill only: both rows are running now
+    group = prompts([8], seed=5)[0]
+    joining = [(prompts([6], seed=6)[0], "b"), (group, "a"), (group, "a"), (next_turn, None)]
+    if mark is not None:
+        joining.insert(2, (prompts([3], seed=7)[0] + [mark], "b"))
+    newcomers = [SampleRequest(p, greedy, adapter=n) for p, n in joining]
+    for request in newcomers:
+        engine.add_request(request)
+    return engine, [first_turn, *running, *newcomers], [None, None, "a", *(n for _, n in joining)]
+
+
+def _finish(engine: BuiltinEngine) -> dict[str, Completion]:
+    done: dict[str, Completion] = {}
+    while engine.has_unfinished():
+        done.update((c.request_id, c) for c in engine.step())
+    return done
+
+
+def _assert_greedy_as_merged(model, adapters: dict[str, AdapterUpdate], request: SampleRequest, out) -> None:
+    """The completion is the greedy continuation of a Hugging Face forward with its adapter merged."""
+    reference = model if request.adapter is None else merged(model, adapters[request.adapter])
+    logits = ref_logits(reference, request.prompt_token_ids + out.token_ids)[
+        len(request.prompt_token_ids) - 1 : -1
+    ]
+    assert out.token_ids == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    assert (torch.tensor(out.logprobs) - expected).abs().max() < 1e-4
+
+
+def test_newcomers_join_running_rows_in_one_pass_as_the_merged_references_give(model) -> None:
+    """A step with running rows and newcomers (fresh, a shared prompt, a resumed prefix; mixed adapters)
+    runs one forward pass (`decode_and_prefill`), not a decode and prefills apart, and every completion is
+    what a Hugging Face forward with its adapter merged gives."""
+    engine, requests, _ = _joining_step(model)
+    runner = engine._runner
+    calls: list[tuple[int, list[int]]] = []
+    real = runner.decode_and_prefill
+
+    def spied(tokens, positions, prompts_, cached, adapters):
+        calls.append((len(tokens), list(cached)))
+        return real(tokens, positions, prompts_, cached, adapters)
+
+    runner.decode_and_prefill = spied  # type: ignore[method-assign]
+    before = engine.metrics()
+    done = _finish(engine)
+    # The joining step, the only one with newcomers: 2 decoded rows, 3 leaders (the resumed one first, its
+    # first turn's 7 + 6 tokens cached but the last, which was sampled and never fed back), 1 copy.
+    assert calls == [(2, [12, 0, 0])], calls
+    after = engine.metrics()
+    assert after.prompt_tokens_cached - before.prompt_tokens_cached == 12
+    assert after.prompt_tokens_shared - before.prompt_tokens_shared == 8
+    assert after.prefill_failures == 0
+    adapters = {
+        name: make_adapter(model, name, rank=r, seed=s, version=1)
+        for name, r, s in [("a", 4, 1), ("b", 2, 2)]
+    }
+    for request in requests[1:]:
+        _assert_greedy_as_merged(model, adapters, request, done[request.request_id])
+
+
+def test_a_newcomer_whose_prefill_fails_in_the_one_pass_fails_alone(model) -> None:
+    """The one pass raises for a hostile newcomer (as if its prompt ran the engine out of memory): the step
+    runs apart, the newcomer fails with the error, and every other row goes on as the references give."""
+    mark = VOCAB - 1
+    engine, requests, _ = _joining_step(model, mark=mark)
+    runner = engine._runner
+
+    def failing(real):
+        def run(*args):
+            if any(mark in prompt for prompt in args[2 if real.__name__ == "decode_and_prefill" else 0]):
+                raise MemoryError("Unable to allocate 10.9 TiB")
+            return real(*args)
+
+        return run
+
+    for name in ("decode_and_prefill", "prefill", "prefill_after"):
+        setattr(runner, name, failing(getattr(runner, name)))
+    done = _finish(engine)
+    hostile = next(r for r in requests if mark in r.prompt_token_ids)
+    assert done[hostile.request_id].finish_reason == "abort"
+    assert "10.9 TiB" in (done[hostile.request_id].error or "")
+    assert engine.metrics().prefill_failures == 1
+    adapters = {
+        name: make_adapter(model, name, rank=r, seed=s, version=1)
+        for name, r, s in [("a", 4, 1), ("b", 2, 2)]
+    }
+    for request in requests[1:]:
+        if request is not hostile:
+            _assert_greedy_as_merged(model, adapters, request, done[request.request_id])
 
 
 def test_removal_drops_a_pending_replacement(model) -> None:

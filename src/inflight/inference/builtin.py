@@ -51,6 +51,17 @@ class _Adapter:
     pending: tuple[int, Any] | None = None  # (version, weights) for the next step; under the engine lock
 
 
+@dataclass(frozen=True)
+class _PrefillPlan:
+    """The newcomers of a step as `BuiltinEngine._plan_prefill` ordered them from their first row: `leaders`
+    rows to compute, resuming `cached[i]` positions already in leader i's row (0: a fresh prompt), then
+    the copies as (row, its leader's row)."""
+
+    leaders: int
+    cached: list[int]
+    copies: list[tuple[int, int]]
+
+
 @dataclass
 class _Sequence:
     request: SampleRequest
@@ -478,6 +489,13 @@ class BuiltinEngine:
         # Logits [k, V] of consecutive rows, in row order: the decode's as they come (a step without
         # newcomers samples from them uncopied), then the newcomers'.
         blocks: list[Tensor] = []
+        if old and num_new and self._merges_decode_and_prefill(num_old):
+            try:
+                blocks.append(self._decode_and_prefill(num_old, adapters))
+            except Exception:  # a newcomer's prefill, most likely: apart below, where only its cause fails
+                log.debug("the one-pass decode and prefill raised; running them apart", exc_info=True)
+            else:
+                old, num_new = [], 0  # all done
         if old:
             tokens = [s.token_ids[-1] for s in old]
             positions = [s.num_cached for s in old]
@@ -530,14 +548,57 @@ class BuiltinEngine:
             assert seq.topk_logprobs is not None  # set at admission for requests that ask
             seq.topk_logprobs.append(pairs)
 
+    def _merges_decode_and_prefill(self, num_old: int) -> bool:
+        """Whether this step's decode and its newcomers' prefill can run as one pass: the runner resumes
+        cached prefixes (`decode_and_prefill`), and no newcomer wants its prompt's outputs (those come from a
+        whole prefill of its own)."""
+        return self._runner.resumes_cached_prefix and not any(
+            s.wants_prompt_logits for s in self._running[num_old:]
+        )
+
+    def _decode_and_prefill(self, num_old: int, adapters: list[Any]) -> Tensor:
+        """Logits [rows, V] of one pass (`ModelRunner.decode_and_prefill`): a token for each of rows
+        0..num_old-1, and the newcomers after them prefilled as `_prefill` does (leaders computed, resuming
+        a cached prefix where there is one; copies given their leader's K/V and logits)."""
+        old = self._running[:num_old]
+        plan = self._plan_prefill(num_old, len(self._running), adapters)
+        leaders = self._running[num_old : num_old + plan.leaders]
+        prompts = [s.request.prompt_token_ids for s in leaders]
+        logits = self._runner.decode_and_prefill(
+            [s.token_ids[-1] for s in old],
+            [s.num_cached for s in old],
+            prompts,
+            plan.cached,
+            adapters[: num_old + plan.leaders],
+        )
+        for s in old:
+            s.num_cached += 1
+        for s, prompt in zip(leaders, prompts, strict=True):
+            s.num_cached = len(prompt)
+        copied = self._copy_leaders(plan)
+        if not copied:
+            return logits
+        return torch.cat([logits, logits[torch.tensor(copied, device=logits.device)]])
+
     def _prefill(self, row0: int, row1: int, adapters: list[Any]) -> list[Tensor]:
-        """Prefill the newcomers in rows row0..row1-1; their last-position logits, one [V] per row.
+        """Prefill the newcomers in rows row0..row1-1 (`_plan_prefill`); their last-position logits, one [V]
+        per row."""
+        plan = self._plan_prefill(row0, row1, adapters)
+        resumed = sum(1 for c in plan.cached if c)
+        last = self._prefill_cached(row0, resumed, plan.cached[:resumed], adapters)
+        if plan.leaders > resumed:
+            last += self._prefill_rows(row0 + resumed, row0 + plan.leaders, adapters)
+        return last + [last[leader - row0] for leader in self._copy_leaders(plan)]
+
+    def _plan_prefill(self, row0: int, row1: int, adapters: list[Any]) -> _PrefillPlan:
+        """Order the newcomers in rows row0..row1-1 (in `self._running` and `adapters` alike) for their
+        prefill, and copy in the cached prefixes they resume.
 
         Newcomers with the same prompt and adapter (a GRPO group's samples, admitted together) are
-        prefilled once: the rows are reordered (in `self._running` and `adapters` alike) so that the first
-        of each prompt comes first, and the others get a copy of its K/V and its logits. Requests that
-        ask for prompt outputs are prefilled on their own. A leader whose prompt begins with a prefix in
-        the prefix cache gets that prefix's K/V copied in and prefills only the rest."""
+        prefilled once: the first of each prompt (its leader) comes first, and the others (copies) come
+        last, to get a copy of its K/V and its logits. Requests that ask for prompt outputs are prefilled
+        on their own. A leader whose prompt begins with a prefix in the prefix cache gets that prefix's K/V
+        copied into its row (leaders with one come first) and prefills only the rest."""
         new = self._running[row0:row1]
         first: dict[tuple, int] = {}
         leaders: list[int] = []
@@ -551,28 +612,36 @@ class BuiltinEngine:
             else:
                 copies.append((i, leader))
         hits = {i: hit for i in leaders if (hit := self._cached_prefix(new[i])) is not None}
-        if not copies and not hits:
-            return self._prefill_rows(row0, row1, adapters)
-        # Rows: leaders with a cached prefix, the other leaders, then the copies.
         order = [i for i in leaders if i in hits] + [i for i in leaders if i not in hits]
         order += [i for i, _ in copies]
         self._running[row0:row1] = [new[i] for i in order]
         adapters[row0:row1] = [adapters[row0 + i] for i in order]
-        resumed = order[: len(hits)]
-        last = self._prefill_cached(row0, [new[i] for i in resumed], [hits[i] for i in resumed], adapters)
-        if len(leaders) > len(hits):
-            last += self._prefill_rows(row0 + len(hits), row0 + len(leaders), adapters)
         row_of = {i: row0 + k for k, i in enumerate(order)}
-        for i, leader in copies:
-            length = len(new[i].request.prompt_token_ids)
-            self._runner.move_row(row_of[leader], row_of[i], length)
-            new[i].num_cached = length
-            last.append(last[row_of[leader] - row0])
-        with self._lock:
-            self._counters.prompt_tokens_shared += sum(
-                len(new[i].request.prompt_token_ids) for i, _ in copies
-            )
-        return last
+        for i in order[: len(hits)]:
+            spare, length = hits[i]
+            self._runner.move_row(spare, row_of[i], length)
+        if hits:
+            with self._lock:
+                self._counters.prompt_tokens_cached += sum(length for _, length in hits.values())
+        return _PrefillPlan(
+            leaders=len(leaders),
+            cached=[hits[i][1] if i in hits else 0 for i in order[: len(leaders)]],
+            copies=[(row_of[i], row_of[leader]) for i, leader in copies],
+        )
+
+    def _copy_leaders(self, plan: _PrefillPlan) -> list[int]:
+        """Each copy's row gets its leader's K/V (the leaders' prefill done); returns each copy's leader
+        row, in the copies' row order."""
+        for row, leader in plan.copies:
+            length = len(self._running[row].request.prompt_token_ids)
+            self._runner.move_row(leader, row, length)
+            self._running[row].num_cached = length
+        if plan.copies:
+            with self._lock:
+                self._counters.prompt_tokens_shared += sum(
+                    len(self._running[row].request.prompt_token_ids) for row, _ in plan.copies
+                )
+        return [leader for _, leader in plan.copies]
 
     def _cached_prefix(self, seq: _Sequence) -> tuple[int, int] | None:
         """(spare row, length) of the longest cached prefix of its prompt, or None (prompt outputs come
@@ -583,21 +652,15 @@ class BuiltinEngine:
             seq.request.prompt_token_ids, seq.adapter, self._weights_version(seq)
         )
 
-    def _prefill_cached(
-        self, row0: int, seqs: list[_Sequence], hits: list[tuple[int, int]], adapters: list[Any]
-    ) -> list[Tensor]:
-        """Rows row0.. get their cached prefixes' K/V copied in and prefill only the rest."""
-        if not seqs:
+    def _prefill_cached(self, row0: int, count: int, cached: list[int], adapters: list[Any]) -> list[Tensor]:
+        """Rows row0..row0+count-1, their cached prefixes' K/V in place, prefill only the rest."""
+        if not count:
             return []
-        for k, (spare, length) in enumerate(hits):
-            self._runner.move_row(spare, row0 + k, length)
-        cached = [length for _, length in hits]
+        seqs = self._running[row0 : row0 + count]
         prompts = [s.request.prompt_token_ids for s in seqs]
-        last = self._runner.prefill_after(prompts, cached, row0, adapters[row0 : row0 + len(seqs)])
+        last = self._runner.prefill_after(prompts, cached, row0, adapters[row0 : row0 + count])
         for s, prompt in zip(seqs, prompts, strict=True):
             s.num_cached = len(prompt)
-        with self._lock:
-            self._counters.prompt_tokens_cached += sum(cached)
         return list(last)
 
     def _prefill_rows(self, row0: int, row1: int, adapters: list[Any]) -> list[Tensor]:

@@ -282,6 +282,18 @@ def gate_up_linear(
     return out[0], out[1]
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """The new tokens of a packed prefill (`Qwen2Runner._packed_attention`): ids and positions [N], each
+    row's count of them and where its run begins, and how they attend (storing their K/V)."""
+
+    ids: Tensor
+    positions: Tensor
+    lengths: list[int]
+    starts: list[int]
+    attend: Attend
+
+
 class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
     """Prefill and decode over cache rows; `weights` is replaced wholesale by `install`. LoRA adapters run
     in the forms of `adapters.py`, over the fused matmuls (q/k/v, gate/up) laid out as the base computes
@@ -405,17 +417,28 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
 
         Packed, not padded: every matmul runs over the N new tokens only. A batch of prompts of unequal
         lengths (a multi-turn episode's later turns beside first turns) padded to the longest computed
-        1.5x the tokens it needed in BlackJack's evaluation. Only attention sees rows: each row's queries
-        are spread into a padded [b, t] layout. Rows that resume a cached prefix attend to the keys in their
-        cache row, positions up to their own (an explicit mask); a pass of fresh prompts only attends
-        causally over its own keys, spread the same way (`causal_attention`: no mask to build, and the
-        flash kernel's memory for long prompts)."""
+        1.5x the tokens it needed in BlackJack's evaluation (`_packed_attention` says how rows attend)."""
+        packed = self._packed_attention(prompts, cached, row0)
+        token_lora = None if lora is None else lora.per_row_tokens(packed.lengths)
+        positions = packed.positions
+        h = self._layers(
+            w, packed.ids[None], self.cos[positions], self.signed_sin[positions], packed.attend, token_lora
+        )
+        return h, packed.starts
+
+    def _packed_attention(self, prompts: list[list[int]], cached: Sequence[int], row0: int) -> _Packed:
+        """The new tokens of prompts whose first cached[i] positions are in cache row row0 + i, packed one
+        row after another, and how they attend. Only attention sees rows: each row's queries are spread
+        into a padded [b, t] layout. Rows that resume a cached prefix attend to the keys in their cache
+        row, positions up to their own (an explicit mask); a pass of fresh prompts only attends causally
+        over its own keys, spread the same way (`causal_attention`: no mask to build, and the flash
+        kernel's memory for long prompts)."""
         dev = self.device
         news = [p[c:] for p, c in zip(prompts, cached, strict=True)]
         lengths = [len(n) for n in news]
         b, t, total = len(news), max(lengths), sum(lengths)
         starts = list(itertools.accumulate(lengths[:-1], initial=0))
-        ids = torch.tensor([tok for n in news for tok in n], device=dev)[None]  # [1, N]
+        ids = torch.tensor([tok for n in news for tok in n], device=dev)  # [N]
         # Host lists -> tensors in one step each: token i of row r sits at position cached[r] + j.
         row_of = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lengths, device=dev))
         offset = torch.arange(total, device=dev) - torch.tensor(starts, device=dev)[row_of]  # j
@@ -457,9 +480,7 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
                 )  # [b, H, t, D]
                 return out.transpose(1, 2).reshape(b * t, nh * d).index_select(0, padded)
 
-        token_lora = None if lora is None else lora.per_row_tokens(lengths)
-        h = self._layers(w, ids, self.cos[positions], self.signed_sin[positions], attend, token_lora)
-        return h, starts
+        return _Packed(ids, positions, lengths, starts, attend)
 
     def prefill_after(
         self,
@@ -485,9 +506,51 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
         self, tokens: list[int], positions: list[int], adapters: Sequence[FusedAdapter | None]
     ) -> Tensor:
         """One token for each of rows 0..n-1 at its own position; returns logits [n, V] (float32)."""
-        n, span = len(tokens), max(positions) + 1  # the span from the host's list: no device sync
-        nh, kv, d = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         position = torch.tensor(positions, device=self.device)
+        attend = self._decode_attention(positions, position)
+        w = self.weights
+        lora = self._lora.batch(adapters)
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        h = self._layers(w, ids, self.cos[position], self.signed_sin[position], attend, lora)
+        return self._logits(w, h, lora)
+
+    def decode_and_prefill(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        prompts: list[list[int]],
+        cached: Sequence[int],
+        adapters: Sequence[FusedAdapter | None],
+    ) -> Tensor:
+        """`decode` for rows 0..n-1 and `prefill_after` for rows n.. (prompt i in row n + i, its first
+        cached[i] positions there already; 0 for a fresh prompt) in one pass: logits [n + b, V] (float32),
+        the decoded rows' then each prompt's at its last token. Every matmul, norm and LoRA runs once over
+        all the pass's tokens, where two passes would each pay the per-op cost on the CPU (a continuous
+        batch admits a few prompts beside its running rows at most steps); only attention splits, each
+        part as its own pass computes it, so a row's numbers are those of the separate passes."""
+        n = len(tokens)
+        position = torch.tensor(positions, device=self.device)
+        decode_attend = self._decode_attention(positions, position)
+        packed = self._packed_attention(prompts, cached, row0=n)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            old = decode_attend(layer, q[:, :n], k[:, :n], v[:, :n])
+            return torch.cat([old, packed.attend(layer, q[:, n:], k[:, n:], v[:, n:])])
+
+        w = self.weights
+        lora = self._lora.batch(adapters)
+        token_lora = None if lora is None else lora.per_row_tokens([1] * n + packed.lengths)
+        ids = torch.cat([torch.tensor(tokens, device=self.device), packed.ids])[None]
+        every = torch.cat([position, packed.positions])
+        h = self._layers(w, ids, self.cos[every], self.signed_sin[every], attend, token_lora)
+        ends = [n + start + length - 1 for start, length in zip(packed.starts, packed.lengths, strict=True)]
+        return self._logits(w, h[torch.tensor(list(range(n)) + ends, device=self.device)], lora)
+
+    def _decode_attention(self, positions: list[int], position: Tensor) -> Attend:
+        """How one new token of each of rows 0..n-1 (q [n or 1, 1 or n, H, D]) attends to its row's keys
+        up to its own position, the token's K/V stored at that position first."""
+        n, span = len(positions), max(positions) + 1  # the span from the host's list: no device sync
+        nh, kv, d = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         slots = self.row_slots[:n] + position
         # Each row's query heads attend over the keys of all its kv heads at once: one [H, span * KV] score
         # matrix per row (n batch entries in one bmm, not n * KV tiny ones: the masked columns cost less
@@ -509,11 +572,7 @@ class Qwen2Runner(ModelRunner[Weights, FusedAdapter]):
             probs = scores.softmax(dim=-1, dtype=torch.float32).to(vc.dtype)  # float32, like HF's eager
             return torch.bmm(probs, vc[:n, :span].view(n, span * kv, d)).view(n, -1)
 
-        w = self.weights
-        lora = self._lora.batch(adapters)
-        ids = torch.tensor(tokens, device=self.device)[:, None]
-        h = self._layers(w, ids, self.cos[position], self.signed_sin[position], attend, lora)
-        return self._logits(w, h, lora)
+        return attend
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.kv_cache[:, :, dst, :length] = self.kv_cache[:, :, src, :length]

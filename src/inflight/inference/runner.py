@@ -70,6 +70,19 @@ class ModelRunner(ABC, Generic[W, A]):
         is computed and cached. Only where `resumes_cached_prefix`."""
         raise NotImplementedError(f"the {self.name} runner cannot resume a cached prefix")
 
+    def decode_and_prefill(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        prompts: list[list[int]],
+        cached: Sequence[int],
+        adapters: Sequence[A | None],
+    ) -> Tensor:
+        """`decode(tokens, positions, adapters[:n])` for rows 0..n-1 and `prefill_after(prompts, cached, n,
+        adapters[n:])` for the rows after them, in one pass: logits [n + b, V] (float32), the decoded rows'
+        then each prompt's at its last token. Only where `resumes_cached_prefix`."""
+        raise NotImplementedError(f"the {self.name} runner cannot decode and prefill in one pass")
+
     @abstractmethod
     def fill_cache(self, prefixes: list[list[int]], row0: int, adapters: Sequence[A | None]) -> None:
         """Recompute the K/V of rows row0.. from their token prefixes with the current weights (no logits)."""
