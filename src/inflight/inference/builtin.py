@@ -481,7 +481,8 @@ class BuiltinEngine:
 
     def _execute(self, num_new: int) -> tuple[Tensor, Tensor, list[Completion]]:
         """Decode one token for rows admitted earlier, prefill the newcomers (their prompt logprobs from the
-        same pass), sample for all rows. Newcomers whose own prefill fails are finished with the error
+        same pass), sample for all rows. Decode and prefill are one forward pass where they can be
+        (`_merges_decode_and_prefill`). Newcomers whose own prefill fails are finished with the error
         (returned third) and leave their rows; the others go on as if they had been alone."""
         num_old = len(self._running) - num_new
         old = self._running[:num_old]
@@ -575,6 +576,7 @@ class BuiltinEngine:
             s.num_cached += 1
         for s, prompt in zip(leaders, prompts, strict=True):
             s.num_cached = len(prompt)
+        self._count_cached(plan.cached)
         copied = self._copy_leaders(plan)
         if not copied:
             return logits
@@ -620,9 +622,6 @@ class BuiltinEngine:
         for i in order[: len(hits)]:
             spare, length = hits[i]
             self._runner.move_row(spare, row_of[i], length)
-        if hits:
-            with self._lock:
-                self._counters.prompt_tokens_cached += sum(length for _, length in hits.values())
         return _PrefillPlan(
             leaders=len(leaders),
             cached=[hits[i][1] if i in hits else 0 for i in order[: len(leaders)]],
@@ -661,7 +660,14 @@ class BuiltinEngine:
         last = self._runner.prefill_after(prompts, cached, row0, adapters[row0 : row0 + count])
         for s, prompt in zip(seqs, prompts, strict=True):
             s.num_cached = len(prompt)
+        self._count_cached(cached)
         return list(last)
+
+    def _count_cached(self, cached: list[int]) -> None:
+        """Prompt positions a finished pass took from the prefix cache (counted once it succeeded: a step
+        whose one pass raised plans its newcomers again)."""
+        with self._lock:
+            self._counters.prompt_tokens_cached += sum(cached)
 
     def _prefill_rows(self, row0: int, row1: int, adapters: list[Any]) -> list[Tensor]:
         new = self._running[row0:row1]
