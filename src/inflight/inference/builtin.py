@@ -587,7 +587,7 @@ class BuiltinEngine:
         per row."""
         plan = self._plan_prefill(row0, row1, adapters)
         resumed = sum(1 for c in plan.cached if c)
-        last = self._prefill_cached(row0, resumed, plan.cached[:resumed], adapters)
+        last = self._prefill_cached(row0, plan.cached[:resumed], adapters)
         if plan.leaders > resumed:
             last += self._prefill_rows(row0 + resumed, row0 + plan.leaders, adapters)
         return last + [last[leader - row0] for leader in self._copy_leaders(plan)]
@@ -651,13 +651,14 @@ class BuiltinEngine:
             seq.request.prompt_token_ids, seq.adapter, self._weights_version(seq)
         )
 
-    def _prefill_cached(self, row0: int, count: int, cached: list[int], adapters: list[Any]) -> list[Tensor]:
-        """Rows row0..row0+count-1, their cached prefixes' K/V in place, prefill only the rest."""
-        if not count:
+    def _prefill_cached(self, row0: int, cached: list[int], adapters: list[Any]) -> list[Tensor]:
+        """Rows row0.., the K/V of the first cached[i] positions of row row0 + i's prompt in place: prefill
+        only the rest."""
+        if not cached:
             return []
-        seqs = self._running[row0 : row0 + count]
+        seqs = self._running[row0 : row0 + len(cached)]
         prompts = [s.request.prompt_token_ids for s in seqs]
-        last = self._runner.prefill_after(prompts, cached, row0, adapters[row0 : row0 + count])
+        last = self._runner.prefill_after(prompts, cached, row0, adapters[row0 : row0 + len(cached)])
         for s, prompt in zip(seqs, prompts, strict=True):
             s.num_cached = len(prompt)
         self._count_cached(cached)
