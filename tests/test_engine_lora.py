@@ -185,14 +185,18 @@ def test_one_packed_prefill_of_unequal_prompts_and_adapters_equals_the_merged_re
 
 def _joining_step(
     model, mark: int | None = None
-) -> tuple[BuiltinEngine, list[SampleRequest], list[str | None]]:
+) -> tuple[BuiltinEngine, list[SampleRequest], dict[str, AdapterUpdate]]:
     """An engine (two adapters, a prefix cache) with two rows running, and newcomers waiting to join them
     at its next step: a fresh prompt (adapter b), a GRPO-like group of one prompt twice (adapter a: one
     leader, one copy), a next turn of a finished episode (base: it resumes that episode's cached K/V) and,
-    with `mark`, a prompt holding that token. Returns the engine, every request and their adapters."""
+    with `mark`, a prompt holding that token. Returns the engine, every request and the adapters by name."""
     engine = engine_for(model, prefix_cache_rows=4)
-    for name, rank, seed in [("a", 4, 1), ("b", 2, 2)]:
-        engine.set_adapter(make_adapter(model, name, rank=rank, seed=seed, version=1))
+    adapters = {
+        name: make_adapter(model, name, rank=r, seed=s, version=1)
+        for name, r, s in [("a", 4, 1), ("b", 2, 2)]
+    }
+    for update in adapters.values():
+        engine.set_adapter(update)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     first_turn = SampleRequest(prompts([7], seed=3)[0], greedy)
     (done,) = engine.generate([first_turn])
@@ -208,7 +212,7 @@ def _joining_step(
     newcomers = [SampleRequest(p, greedy, adapter=n) for p, n in joining]
     for request in newcomers:
         engine.add_request(request)
-    return engine, [first_turn, *running, *newcomers], [None, None, "a", *(n for _, n in joining)]
+    return engine, [first_turn, *running, *newcomers], adapters
 
 
 def _finish(engine: BuiltinEngine) -> dict[str, Completion]:
@@ -233,7 +237,7 @@ def test_newcomers_join_running_rows_in_one_pass_as_the_merged_references_give(m
     """A step with running rows and newcomers (fresh, a shared prompt, a resumed prefix; mixed adapters)
     runs one forward pass (`decode_and_prefill`), not a decode and prefills apart, and every completion is
     what a Hugging Face forward with its adapter merged gives."""
-    engine, requests, _ = _joining_step(model)
+    engine, requests, adapters = _joining_step(model)
     runner = engine._runner
     calls: list[tuple[int, list[int]]] = []
     real = runner.decode_and_prefill
@@ -252,10 +256,6 @@ def test_newcomers_join_running_rows_in_one_pass_as_the_merged_references_give(m
     assert after.prompt_tokens_cached - before.prompt_tokens_cached == 12
     assert after.prompt_tokens_shared - before.prompt_tokens_shared == 8
     assert after.prefill_failures == 0
-    adapters = {
-        name: make_adapter(model, name, rank=r, seed=s, version=1)
-        for name, r, s in [("a", 4, 1), ("b", 2, 2)]
-    }
     for request in requests[1:]:
         _assert_greedy_as_merged(model, adapters, request, done[request.request_id])
 
@@ -264,28 +264,24 @@ def test_a_newcomer_whose_prefill_fails_in_the_one_pass_fails_alone(model) -> No
     """The one pass raises for a hostile newcomer (as if its prompt ran the engine out of memory): the step
     runs apart, the newcomer fails with the error, and every other row goes on as the references give."""
     mark = VOCAB - 1
-    engine, requests, _ = _joining_step(model, mark=mark)
+    engine, requests, adapters = _joining_step(model, mark=mark)
     runner = engine._runner
 
-    def failing(real):
+    def failing(real, prompts_at: int):  # the position of the call's prompts among its arguments
         def run(*args):
-            if any(mark in prompt for prompt in args[2 if real.__name__ == "decode_and_prefill" else 0]):
+            if any(mark in prompt for prompt in args[prompts_at]):
                 raise MemoryError("Unable to allocate 10.9 TiB")
             return real(*args)
 
         return run
 
-    for name in ("decode_and_prefill", "prefill", "prefill_after"):
-        setattr(runner, name, failing(getattr(runner, name)))
+    for name, prompts_at in [("decode_and_prefill", 2), ("prefill", 0), ("prefill_after", 0)]:
+        setattr(runner, name, failing(getattr(runner, name), prompts_at))
     done = _finish(engine)
     hostile = next(r for r in requests if mark in r.prompt_token_ids)
     assert done[hostile.request_id].finish_reason == "abort"
     assert "10.9 TiB" in (done[hostile.request_id].error or "")
     assert engine.metrics().prefill_failures == 1
-    adapters = {
-        name: make_adapter(model, name, rank=r, seed=s, version=1)
-        for name, r, s in [("a", 4, 1), ("b", 2, 2)]
-    }
     for request in requests[1:]:
         if request is not hostile:
             _assert_greedy_as_merged(model, adapters, request, done[request.request_id])
