@@ -159,23 +159,26 @@ def test_rl_loop_reward_rises(server: BackgroundServer, hub: dict[str, Any], tmp
 
     warmup_steps, warmup_batch = 60, 8
     hub[SL_DATA] = table(format_warmup(warmup_steps * warmup_batch))
-    sl_loop.main(
-        sl_loop.Config(
-            base_url=server.url,
-            log_path=str(tmp_path / "warmup"),
-            model_name=BASE,
-            batch_size=warmup_batch,
-            learning_rate=5e-3,
-            lora_rank=32,
-            save_every=0,
-            train_on_what=renderers.TrainOnWhat.LAST_ASSISTANT_MESSAGE,
-        )
-    )
-    warm = read_jsonl(tmp_path / "warmup" / "checkpoints.jsonl")[-1]
     steps, batch, window = 60, 8, 8
     hub[RL_DATA] = table(keyword_problems(steps * batch))
 
-    def rl_run(log_path: Path) -> list[dict[str, Any]]:
+    def warm_up(log_path: Path) -> dict[str, Any]:
+        """sl_loop's format warm-up; returns its last checkpoint record (its state_path)."""
+        sl_loop.main(
+            sl_loop.Config(
+                base_url=server.url,
+                log_path=str(log_path),
+                model_name=BASE,
+                batch_size=warmup_batch,
+                learning_rate=5e-3,
+                lora_rank=32,
+                save_every=0,
+                train_on_what=renderers.TrainOnWhat.LAST_ASSISTANT_MESSAGE,
+            )
+        )
+        return read_jsonl(log_path / "checkpoints.jsonl")[-1]
+
+    def rl_run(log_path: Path, warm: dict[str, Any]) -> list[dict[str, Any]]:
         """rl_loop from the warm-up's state, through its own resume path: it resumes from the last record
         with a state_path in its log_path, at the record's batch."""
         log_path.mkdir()
@@ -199,13 +202,15 @@ def test_rl_loop_reward_rises(server: BackgroundServer, hub: dict[str, Any], tmp
 
     # A policy can settle on one digit whatever the keyword before it reads the keyword: GRPO's absorbing
     # state, where every group's rewards are equal (or nearly: a stray other digit now and then) and the
-    # centred rewards give nothing to leave it by. Two full-suite runs have ended there so far
-    # (docs/benchmarks.md), the runs differing only by the server's unseeded sampling and LoRA init. So a
-    # trajectory that does not learn gets another from the same warm-up, up to TRAJECTORIES; one must learn.
-    # A service that breaks learning fails every one (a control at learning rate 0 stays flat).
+    # centred rewards give nothing to leave it by. Full-suite runs have ended there (docs/benchmarks.md),
+    # the runs differing only by the server's unseeded sampling and LoRA init. So a trajectory that does not
+    # learn gets another, up to TRAJECTORIES, each from a warm-up of its own (the LoRA's init is one of the
+    # unseeded draws: three trajectories from one warm-up once all collapsed); one must learn. A service
+    # that breaks learning fails every one (a control at learning rate 0 stays flat).
     runs: list[list[dict[str, Any]]] = []
     while len(runs) < TRAJECTORIES and not (runs and learned(runs[-1], window)):
-        runs.append(rl_run(tmp_path / f"rl-{len(runs)}"))
+        attempt = len(runs)
+        runs.append(rl_run(tmp_path / f"rl-{attempt}", warm_up(tmp_path / f"warmup-{attempt}")))
         # The warm-up's policy answers half right, so the first steps train: read from the metrics the
         # recipe really logs (the service's optimizer metrics on the steps it trained).
         assert not collapsed(runs[-1][:window], window), runs[-1][:window]
