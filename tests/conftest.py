@@ -86,6 +86,31 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def warm_tiny_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model after BlackJack's format warm-up (`make run`'s, 20 steps of 32 scripted episodes): a
+    run from it with warmup.sft_steps=0 has groups that carry signal from its first step, without the
+    warm-up each such run would otherwise train again (5-10 s each on 2 cores, a dozen runs a session)."""
+    from inflight.config import apply_overrides
+    from inflight.envs.blackjack import BlackJackEnv
+    from inflight.models import load_model, load_tokenizer
+    from inflight.orchestrator.setup import pad_id
+    from inflight.orchestrator.target import resolve_target
+    from inflight.orchestrator.warmup import format_warmup
+    from inflight.rollouts.chat import ChatFormat
+
+    warm = tmp_path_factory.mktemp("warm-tiny-model")
+    shutil.copytree(tiny_model_dir, warm, dirs_exist_ok=True)  # the tokenizer and its chat template
+    model, tokenizer = load_model(tiny_model_dir, progress=False), load_tokenizer(tiny_model_dir)
+    cfg = apply_overrides(
+        resolve_target("blackjack").config(), ["warmup.sft_steps=20", "warmup.sft_batch_size=32"]
+    )
+    chat = ChatFormat.for_model(tokenizer, model)
+    format_warmup(model, pad_id(tokenizer), chat, BlackJackEnv, cfg, logger=None)
+    model.save_pretrained(warm)  # the weights, config and generation config, over the copied ones
+    return warm
+
+
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     # Runs that build the tiny model cache it under INFLIGHT_CACHE: never the user's ~/.cache in tests.

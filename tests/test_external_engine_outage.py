@@ -131,7 +131,7 @@ def kill_during_training(
 def argv(model_dir: Path, run_dir: Path, url: str, steps: int, *overrides: str) -> list[str]:
     return [
         "run", "blackjack", f"model.path={model_dir}", f"grpo.steps={steps}", "grpo.prompts_per_step=2",
-        "grpo.group_size=4", "warmup.sft_steps=20", "eval.num_episodes=0", "checkpoint_every_steps=0",
+        "grpo.group_size=4", "warmup.sft_steps=0", "eval.num_episodes=0", "checkpoint_every_steps=0",
         "progress=false", f'pipeline.engine_urls=["{url}"]', "pipeline.max_staleness_steps=0",
         "pipeline.batch_timeout_s=60", *overrides, "--run-dir", str(run_dir),
     ]  # fmt: skip
@@ -156,6 +156,7 @@ def train_steps(run_dir: Path) -> list[int]:
 @pytest.mark.parametrize("after_draw", [False, True], ids=["met-by-rollouts", "met-by-the-weight-update"])
 def test_a_run_whose_engines_are_gone_stops_in_one_line_with_a_checkpoint_it_resumes_from(
     tiny_model_dir: Path,
+    warm_tiny_model_dir: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -168,7 +169,7 @@ def test_a_run_whose_engines_are_gone_stops_in_one_line_with_a_checkpoint_it_res
     run_dir = tmp_path / "run"
     killed = kill_during_training(monkeypatch, engine, at_version=2, after_draw=after_draw)
     started = time.monotonic()
-    line = error_line(capsys, argv(tiny_model_dir, run_dir, engine.url, 50))
+    line = error_line(capsys, argv(warm_tiny_model_dir, run_dir, engine.url, 50))
     assert killed.is_set()
     # The outage bound, the health checks and a step; never the 60 s batch timeout.
     assert time.monotonic() - started < 55
@@ -182,7 +183,7 @@ def test_a_run_whose_engines_are_gone_stops_in_one_line_with_a_checkpoint_it_res
         return
     # Back on the same port, the replica first gets the checkpoint's weights (the step its update missed).
     engines.append(Engine(tiny_model_dir, port))
-    assert main(argv(tiny_model_dir, run_dir, engine.url, done + 2)) == 0
+    assert main(argv(warm_tiny_model_dir, run_dir, engine.url, done + 2)) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == done + 2 and summary["stopped"] is None
     assert train_steps(run_dir) == list(range(done + 2))
@@ -190,6 +191,7 @@ def test_a_run_whose_engines_are_gone_stops_in_one_line_with_a_checkpoint_it_res
 
 def test_sigterm_ends_the_wait_for_a_batch_that_cannot_come(
     tiny_model_dir: Path,
+    warm_tiny_model_dir: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -205,7 +207,7 @@ def test_sigterm_ends_the_wait_for_a_batch_that_cannot_come(
         os.kill(os.getpid(), signal.SIGTERM)
 
     kill_during_training(monkeypatch, engine, at_version=2, then=sigterm)
-    assert main(argv(tiny_model_dir, run_dir, engine.url, 50)) == 128 + signal.SIGTERM
+    assert main(argv(warm_tiny_model_dir, run_dir, engine.url, 50)) == 128 + signal.SIGTERM
     assert time.monotonic() - signalled[0] < 20  # the trainer looks every second; then checkpoint, summary
     out, err = capsys.readouterr()
     assert "Traceback" not in err
@@ -216,6 +218,7 @@ def test_sigterm_ends_the_wait_for_a_batch_that_cannot_come(
 
 def test_the_batch_timeout_is_one_line_with_its_seconds(
     tiny_model_dir: Path,
+    warm_tiny_model_dir: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -223,7 +226,7 @@ def test_the_batch_timeout_is_one_line_with_its_seconds(
 ) -> None:
     engines.append(engine := Engine(tiny_model_dir, free_port()))
     kill_during_training(monkeypatch, engine, at_version=2)
-    command = argv(tiny_model_dir, tmp_path / "run", engine.url, 50, "pipeline.batch_timeout_s=4")
+    command = argv(warm_tiny_model_dir, tmp_path / "run", engine.url, 50, "pipeline.batch_timeout_s=4")
     line = error_line(capsys, command)
     assert "no full batch within pipeline.batch_timeout_s=4 s: the trainer waited for 2 informative" in line
     assert "0 buffered, 2 in flight" in line and "waited 0." not in line and "waited 1." not in line, line

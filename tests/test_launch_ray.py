@@ -44,8 +44,9 @@ pytestmark = pytest.mark.slow
 RAY_TEMP_PREFIX = "inflight-ray"  # the private Rays' temp dirs (`ray_temp_dir`)
 
 
-def tiny_run(model_dir: Path, steps: int, warmup_steps: int = 20) -> list[str]:
-    """A BlackJack run of a few seconds: a short warm-up so that groups carry signal, a small evaluation."""
+def tiny_run(model_dir: Path, steps: int, warmup_steps: int = 0) -> list[str]:
+    """A BlackJack run of a few seconds, a small evaluation. From `warm_tiny_model_dir` (conftest: the
+    format warm-up trained once a session) its groups carry signal without a warm-up of its own."""
     return [
         "progress=false",
         f"model.path={model_dir}",
@@ -193,9 +194,9 @@ def wait_until_released(ray: Any) -> None:
 
 
 def test_blackjack_through_ray_has_the_summary_of_a_local_run(
-    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ray_cluster: Any, warm_tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    overrides = tiny_run(tiny_model_dir, steps=4)
+    overrides = tiny_run(warm_tiny_model_dir, steps=4)
     local = run_cli(capsys, "run", "blackjack", *overrides, "--run-dir", str(tmp_path / "local"))
     on_ray = run_cli(
         capsys, "run", "blackjack", *overrides, "launcher=ray", "--run-dir", str(tmp_path / "ray")
@@ -216,7 +217,7 @@ def test_blackjack_through_ray_has_the_summary_of_a_local_run(
 
 
 def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
-    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ray_cluster: Any, warm_tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = tmp_path / "run"
     # Steps of ~0.1-0.15 s (replicas' requests batched): the run lasts ~30-45 s after the kill, of which
@@ -263,7 +264,7 @@ def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
             capsys,
             "run",
             "blackjack",
-            *tiny_run(tiny_model_dir, steps),
+            *tiny_run(warm_tiny_model_dir, steps),
             "launcher=ray",
             "ray.num_engine_replicas=2",
             "ray.engine_cpus=0.5",
@@ -300,7 +301,7 @@ def test_a_killed_engine_replica_is_restarted_and_the_run_goes_on(
 
 
 def test_vllm_replicas_on_ray_sample_the_trainers_weights_and_a_killed_vllm_process_is_restarted(
-    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ray_cluster: Any, warm_tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`launcher=ray engine.backend=vllm`: the replica actor runs vLLM's serve-engine (in the vLLM
     environment) on its bundle's port and reads weights only from the run's weights directory. Its vLLM
@@ -318,8 +319,8 @@ def test_vllm_replicas_on_ray_sample_the_trainers_weights_and_a_killed_vllm_proc
         ray_cluster, run_dir, "engine-0", lambda replica: replica.info.remote(), lambda info: info.pid
     )
     summary = run_cli(
-        capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray", "engine.backend=vllm",
-        "pipeline.max_staleness_steps=0", "--run-dir", str(run_dir),
+        capsys, "run", "blackjack", *tiny_run(warm_tiny_model_dir, steps), "launcher=ray",
+        "engine.backend=vllm", "pipeline.max_staleness_steps=0", "--run-dir", str(run_dir),
     )  # fmt: skip
     killer.join(30)
     assert killed, "the vLLM process was never killed"
@@ -412,7 +413,7 @@ def test_a_job_sigkilled_from_outside_its_sandbox_is_held_back_before_its_answer
 
 
 def test_rollout_workers_play_the_groups_and_a_killed_worker_is_restarted_its_groups_played_again(
-    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ray_cluster: Any, warm_tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`ray.num_rollout_workers=2`: the groups are played in two actors of their own and come back through
     Ray's object store. Worker 0's process SIGKILLed after the first step: the groups it was playing are
@@ -430,7 +431,7 @@ def test_rollout_workers_play_the_groups_and_a_killed_worker_is_restarted_its_gr
     stopper = stop_the_run_once(run_dir, restarted_and_played_on, run_over)
     try:
         summary = run_cli(
-            capsys, "run", "blackjack", *tiny_run(tiny_model_dir, steps), "launcher=ray",
+            capsys, "run", "blackjack", *tiny_run(warm_tiny_model_dir, steps), "launcher=ray",
             "ray.num_rollout_workers=2", "ray.rollout_worker_cpus=0.25", "ray.engine_cpus=0.5",
             "--run-dir", str(run_dir), exit_code=128 + signal.SIGINT,
         )  # fmt: skip
@@ -462,7 +463,7 @@ def test_rollout_workers_play_the_groups_and_a_killed_worker_is_restarted_its_gr
 
 def test_rollout_workers_write_their_groups_to_a_redis_stream(
     ray_cluster: Any,
-    tiny_model_dir: Path,
+    warm_tiny_model_dir: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     redis_port: int,
@@ -475,7 +476,7 @@ def test_rollout_workers_write_their_groups_to_a_redis_stream(
     key = f"run-{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / "run"
     summary = run_cli(
-        capsys, "run", "blackjack", *tiny_run(tiny_model_dir, 4), "launcher=ray",
+        capsys, "run", "blackjack", *tiny_run(warm_tiny_model_dir, 4), "launcher=ray",
         "ray.num_rollout_workers=1", "ray.rollout_worker_cpus=0.5", "ray.engine_cpus=0.5",
         f"pipeline.stream_url=redis://127.0.0.1:{redis_port}/0?key={key}", "trainer.lora_rank=8",
         "trainer.lr=1e-2", "--run-dir", str(run_dir),
@@ -555,7 +556,7 @@ def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
     capsys.readouterr()
     # No warm-up: whether its steps train or are skipped (no signal), each is logged and checkpointed.
     argv = [
-        *tiny_run(tiny_model_dir, 100, warmup_steps=0),
+        *tiny_run(tiny_model_dir, 100),
         "checkpoint_every_steps=2",
         "launcher=ray",
         "--run-dir",
@@ -574,7 +575,7 @@ def test_a_lost_trainer_stops_the_run_in_one_line_leaving_a_checkpoint(
 
 
 def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops_the_run_in_one_line(
-    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ray_cluster: Any, warm_tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """ray.num_trainer_ranks=2: the run's actor is rank 0, a TrainerRank actor rank 1; every step is split
     across the two (gloo), and every checkpoint is written once both showed the same weights (a check that
@@ -583,7 +584,7 @@ def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops
     small = ["ray.num_trainer_ranks=2", "ray.engine_cpus=0.5", "ray.trainer_cpus=0.5", "launcher=ray"]
     run_dir = tmp_path / "ranks"
     summary = run_cli(
-        capsys, "run", "blackjack", *tiny_run(tiny_model_dir, 3), *small, "--run-dir", str(run_dir)
+        capsys, "run", "blackjack", *tiny_run(warm_tiny_model_dir, 3), *small, "--run-dir", str(run_dir)
     )
     assert summary["steps"] == 3
     trained = [r for r in metrics_rows(run_dir, "train") if "loss" in r]
@@ -596,7 +597,13 @@ def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops
     lost_dir = tmp_path / "lost"
     killer = kill_after_a_checkpoint(ray_cluster, lost_dir, "rank-1")
     capsys.readouterr()
-    argv = [*tiny_run(tiny_model_dir, 100), *small, "checkpoint_every_steps=2", "--run-dir", str(lost_dir)]
+    argv = [
+        *tiny_run(warm_tiny_model_dir, 100),
+        *small,
+        "checkpoint_every_steps=2",
+        "--run-dir",
+        str(lost_dir),
+    ]
     code = main(["run", "blackjack", *argv])
     killer.join(10)
     err = capsys.readouterr().err
@@ -610,7 +617,7 @@ def test_two_data_parallel_trainer_ranks_train_through_ray_and_a_lost_rank_stops
 
 
 def test_fsdp_trainer_ranks_train_through_ray_and_publish_the_gathered_weights(
-    ray_cluster: Any, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ray_cluster: Any, warm_tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """ray.trainer_sharding=fsdp: two ranks each hold half of every weight and AdamW moment (FSDP2, gloo);
     every step's weights are gathered from both to rank 0 and sent to the engine replica, and the checkpoint
@@ -619,8 +626,8 @@ def test_fsdp_trainer_ranks_train_through_ray_and_publish_the_gathered_weights(
     whole and current."""
     small = ["ray.num_trainer_ranks=2", "ray.engine_cpus=0.5", "ray.trainer_cpus=0.5", "launcher=ray"]
     run_dir = tmp_path / "fsdp"
-    argv = [
-        *tiny_run(tiny_model_dir, 4, warmup_steps=60), "grpo.prompts_per_step=8", *small,
+    argv = [  # 60 warm-up steps, as the vLLM runs: 20 in the model, 40 here
+        *tiny_run(warm_tiny_model_dir, 4, warmup_steps=40), "grpo.prompts_per_step=8", *small,
         "ray.trainer_sharding=fsdp", "trainer.loss.kl_coef=0", "pipeline.max_staleness_steps=0",
         "--run-dir", str(run_dir),
     ]  # fmt: skip
@@ -886,7 +893,7 @@ def end(proc: subprocess.Popen[bytes]) -> None:
 
 
 def test_sigterm_stops_a_run_on_its_own_ray_after_the_step_in_flight(
-    tiny_model_dir: Path, tmp_path: Path
+    warm_tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """SIGTERM (a scheduler's preemption) as Ctrl-C above: the run stops after its step in flight, with its
     checkpoint and summary, exit 143. ray.init replaces the SIGTERM handler (an exit, and under it Ray's C++
@@ -894,7 +901,7 @@ def test_sigterm_stops_a_run_on_its_own_ray_after_the_step_in_flight(
     its own: the module's Ray, already started, would spare it the ray.init."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     argv = [
-        "run", "blackjack", *tiny_run(tiny_model_dir, 400), "launcher=ray", "ray.engine_cpus=0.5",
+        "run", "blackjack", *tiny_run(warm_tiny_model_dir, 400), "launcher=ray", "ray.engine_cpus=0.5",
         "ray.trainer_cpus=0.5", "--run-dir", str(run_dir),
     ]  # fmt: skip
     proc = inflight_process(argv, logs)

@@ -55,7 +55,7 @@ def vllm_children() -> list[int]:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-killed"])
 def test_blackjack_samples_from_vllm_on_the_trainers_weights(
-    lora: bool, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    lora: bool, warm_tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Full weights; and a LoRA adapter with the vLLM process SIGKILLed after the first step: the run
     starts it again on its port (engine.max_restarts), waits out the outage and sends the new process the
@@ -76,8 +76,10 @@ def test_blackjack_samples_from_vllm_on_the_trainers_weights(
     if lora:
         threading.Thread(target=kill_the_engine_after_the_first_step, daemon=True).start()
     summary = run_cli(
-        capsys, "run", "blackjack", "engine.backend=vllm", "progress=false", f"model.path={tiny_model_dir}",
-        "warmup.sft_steps=60", "warmup.sft_batch_size=32", f"grpo.steps={steps}", "grpo.prompts_per_step=8",
+        capsys, "run", "blackjack", "engine.backend=vllm", "progress=false",
+        # 20 steps of the format warm-up in the model, 40 more here
+        f"model.path={warm_tiny_model_dir}", "warmup.sft_steps=40", "warmup.sft_batch_size=32",
+        f"grpo.steps={steps}", "grpo.prompts_per_step=8",
         "grpo.group_size=4", "eval.num_episodes=8", "pipeline.active_sampling=false",
         "pipeline.max_staleness_steps=0", f"trainer.lora_rank={8 if lora else 0}", "--run-dir", str(tmp_path),
     )  # fmt: skip
