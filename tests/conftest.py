@@ -88,9 +88,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def warm_tiny_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model after BlackJack's format warm-up (`make run`'s, 20 steps of 32 scripted episodes): a
-    run from it with warmup.sft_steps=0 has groups that carry signal from its first step, without the
-    warm-up each such run would otherwise train again (5-10 s each on 2 cores, a dozen runs a session)."""
+    """The tiny model after BlackJack's format warm-up, shortened to 20 steps of 32 scripted episodes (what
+    the Ray tests' runs each trained): a run from it with warmup.sft_steps=0 has groups that carry signal
+    from its first step, without the warm-up each such run would otherwise train again (5-10 s each on 2
+    cores, ~16 runs a session)."""
     from inflight.config import apply_overrides
     from inflight.envs.blackjack import BlackJackEnv
     from inflight.models import load_model, load_tokenizer
