@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from inflight.models import load_model
 from inflight.trainer import Trainer, TrainerConfig
-from inflight.trainer.distributed import DataParallelTrainer, init_data_parallel
+from inflight.trainer.distributed import DataParallelTrainer, init_data_parallel, tcp_rendezvous
 from inflight.trainer.micro_batches import shard_by_tokens
 from inflight.types import TrainSample
 from test_trainer import make_samples
@@ -71,6 +71,18 @@ def test_a_data_parallel_trainer_without_a_process_group_says_what_to_call() -> 
         DataParallelTrainer(torch.nn.Linear(2, 2), TrainerConfig())
 
 
+def test_a_tcp_rendezvous_listens_on_a_port_the_os_assigned_before_any_other_rank_is_told() -> None:
+    """Rank 0's store binds port 0 itself, so no other process can take the port between choosing it and
+    listening on it; a rank told that port reaches the same store."""
+    master = tcp_rendezvous("127.0.0.1", 0, 0, 2, timeout_s=10.0)
+    assert master.port > 0
+    master.set("from-rank-0", "hello")
+    other = tcp_rendezvous("127.0.0.1", master.port, 1, 2, timeout_s=10.0)
+    assert other.get("from-rank-0") == b"hello"
+    with socket.socket() as taken, pytest.raises(OSError):
+        taken.bind(("127.0.0.1", master.port))
+
+
 # ---- 2 ranks against 1 ---------------------------------------------------------------------------------
 
 
@@ -100,9 +112,15 @@ CASES = {
 }
 
 
-def _rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def rendezvous_at(directory: Path) -> str:
+    """A file the ranks meet at: no port to pick (a free port probed here can be taken by another process
+    before rank 0 listens on it)."""
+    return f"file://{directory / 'rendezvous'}"
+
+
+def _rank_main(rank: int, init_method: str, model_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    group = init_data_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=COLLECTIVE_TIMEOUT_S)
+    group = init_data_parallel(rank, WORLD, init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
     out = Path(out_dir)
     for name, case in CASES.items():
         trainer = DataParallelTrainer(load_model(Path(model_dir)), case.trainer_config(), group)
@@ -133,10 +151,9 @@ def _rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 def two_rank_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case trained by 2 gloo ranks (one spawn for all: each costs seconds of imports)."""
     out = tmp_path_factory.mktemp("data-parallel")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.spawn(_rank_main, args=(port, str(tiny_model_dir), str(out)), nprocs=WORLD, join=False)
+    context = mp.spawn(
+        _rank_main, args=(rendezvous_at(out), str(tiny_model_dir), str(out)), nprocs=WORLD, join=False
+    )
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not context.join(timeout=1.0):  # raises with the traceback of a rank that failed
         if time.monotonic() > deadline:
@@ -198,8 +215,8 @@ def test_ranks_handed_different_steps_or_holding_different_weights_fail_loudly(t
 # merged metrics all go through NCCL collectives on `cuda`, and the update must be the plain trainer's.
 
 
-def _nccl_rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    group = init_data_parallel(rank, 1, f"tcp://127.0.0.1:{port}", "cuda", timeout_s=COLLECTIVE_TIMEOUT_S)
+def _nccl_rank_main(rank: int, init_method: str, model_dir: str, out_dir: str) -> None:
+    group = init_data_parallel(rank, 1, init_method, "cuda", timeout_s=COLLECTIVE_TIMEOUT_S)
     assert dist.get_backend(group) == "nccl"
     for name, case in CASES.items():
         config = TrainerConfig(**{"lr": LR, **case.config, "device": "cuda"})
@@ -214,10 +231,12 @@ def _nccl_rank_main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_one_nccl_rank_on_cuda_makes_the_plain_trainers_update(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.spawn(_nccl_rank_main, args=(port, str(tiny_model_dir), str(tmp_path)), nprocs=1, join=False)
+    context = mp.spawn(
+        _nccl_rank_main,
+        args=(rendezvous_at(tmp_path), str(tiny_model_dir), str(tmp_path)),
+        nprocs=1,
+        join=False,
+    )
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

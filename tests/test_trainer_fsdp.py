@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from inflight.trainer.policy import MODEL_CONFIG, OPTIMIZER, WEIGHTS
 from inflight.trainer.trainer import through_last_trained
 from inflight.types import TrainSample
 from test_trainer import make_samples
+from test_trainer_distributed import rendezvous_at
 
 VOCAB = 2048
 WORLD = 2
@@ -78,12 +78,6 @@ CASES = {
 CHECKPOINTED = "ppo-micro-batches"  # saved after its first step, then resumed by a fresh trainer
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _join(context: mp.ProcessContext, what: str) -> None:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not context.join(timeout=1.0):  # raises with the traceback of a rank that failed
@@ -108,9 +102,9 @@ def _train(
     return metrics
 
 
-def _rank_main(rank: int, port: int, model_dirs: dict[bool, str], out_dir: str) -> None:
+def _rank_main(rank: int, init_method: str, model_dirs: dict[bool, str], out_dir: str) -> None:
     torch.set_num_threads(1)
-    group = init_data_parallel(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=COLLECTIVE_TIMEOUT_S)
+    group = init_data_parallel(rank, WORLD, init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
     out = Path(out_dir)
     for name, case in CASES.items():
         trainer = ShardedDataParallelTrainer(
@@ -165,7 +159,7 @@ def two_rank_runs(model_dirs: dict[bool, Path], tmp_path_factory: pytest.TempPat
     """Every case trained by 2 sharded gloo ranks (one spawn for all: each costs seconds of imports)."""
     out = tmp_path_factory.mktemp("sharded")
     dirs = {tied: str(path) for tied, path in model_dirs.items()}
-    context = mp.spawn(_rank_main, args=(_free_port(), dirs, str(out)), nprocs=WORLD, join=False)
+    context = mp.spawn(_rank_main, args=(rendezvous_at(out), dirs, str(out)), nprocs=WORLD, join=False)
     _join(context, "the sharded ranks")
     return out
 
@@ -287,8 +281,8 @@ def test_a_sharded_trainer_refuses_lora_and_kl_and_says_what_to_call_without_a_p
 # trainer's, and a resumed run the uninterrupted one.
 
 
-def _nccl_rank_main(rank: int, port: int, model_dirs: dict[bool, str], out_dir: str) -> None:
-    group = init_data_parallel(rank, 1, f"tcp://127.0.0.1:{port}", "cuda", timeout_s=COLLECTIVE_TIMEOUT_S)
+def _nccl_rank_main(rank: int, init_method: str, model_dirs: dict[bool, str], out_dir: str) -> None:
+    group = init_data_parallel(rank, 1, init_method, "cuda", timeout_s=COLLECTIVE_TIMEOUT_S)
     assert dist.get_backend(group) == "nccl"
     out = Path(out_dir)
     for name, case in CASES.items():
@@ -310,7 +304,9 @@ def test_one_sharded_nccl_rank_on_cuda_makes_the_plain_trainers_update(
     model_dirs: dict[bool, Path], tmp_path: Path
 ) -> None:
     dirs = {tied: str(path) for tied, path in model_dirs.items()}
-    context = mp.spawn(_nccl_rank_main, args=(_free_port(), dirs, str(tmp_path)), nprocs=1, join=False)
+    context = mp.spawn(
+        _nccl_rank_main, args=(rendezvous_at(tmp_path), dirs, str(tmp_path)), nprocs=1, join=False
+    )
     _join(context, "the NCCL rank")
     for name, case in CASES.items():
         single = Trainer(load_model(model_dirs[case.tied]), case.trainer_config(device="cuda"))

@@ -47,19 +47,41 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def tcp_rendezvous(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
+) -> dist.TCPStore:
+    """The store the ranks meet at over TCP, to pass to `init_data_parallel` in place of an init method:
+    rank 0 listens on `host:port`, the others connect to it. Port 0 makes rank 0 listen on a port the OS
+    assigns, read back as `.port` and handed to the other ranks. That leaves no window between choosing a
+    port and listening on it: a launcher that probes a free port and has torch bind it later loses it now
+    and then to another process on the node (torch's "EADDRINUSE" as the run starts)."""
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def init_data_parallel(
-    rank: int, world_size: int, init_method: str, device: str = "cpu", timeout_s: float = 300.0
+    rank: int,
+    world_size: int,
+    init_method: str | dist.Store,
+    device: str = "cpu",
+    timeout_s: float = 300.0,
 ) -> dist.ProcessGroup:
     """Join the default process group as `rank` of `world_size`, on the backend `device` asks for; returns
     the group a `DataParallelTrainer` takes. Every rank calls it; it returns once all have joined.
 
-    `init_method`: rank 0's "tcp://HOST:PORT", a "file://" path all ranks see, or "env://" (MASTER_ADDR,
-    MASTER_PORT). `device` is the rank's `trainer.device`: on CUDA each rank takes its own, which becomes
-    the current device (NCCL and the collectives of Python objects use it): `cuda:N` as given, a bare
-    `cuda` (or `auto`) the node-local rank's (`LOCAL_RANK`, as torchrun and Ray set it, else `rank` modulo
-    the devices this node has). `timeout_s` bounds
-    joining and every later collective, so a rank that dies or hangs fails the others instead of
-    stalling them.
+    `init_method`: rank 0's "tcp://HOST:PORT", a "file://" path all ranks see, "env://" (MASTER_ADDR,
+    MASTER_PORT), or each rank's `tcp_rendezvous` store (every rank then passes one). `device` is the
+    rank's `trainer.device`: on CUDA each rank takes its own, which becomes the current device (NCCL and
+    the collectives of Python objects use it): `cuda:N` as given, a bare `cuda` (or `auto`) the
+    node-local rank's (`LOCAL_RANK`, as torchrun and Ray set it, else `rank` modulo the devices this node
+    has). `timeout_s` bounds joining and every later collective, so a rank that dies or hangs fails the
+    others instead of stalling them.
     """
     resolved = resolve_device(device, "trainer.device")
     if dist.is_initialized():
@@ -72,9 +94,10 @@ def init_data_parallel(
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             resolved = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(resolved)
+    meet = {"store": init_method} if isinstance(init_method, dist.Store) else {"init_method": init_method}
     dist.init_process_group(
         backend_for(resolved),
-        init_method=init_method,
+        **meet,
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 from inflight.config import RunConfig
 from inflight.errors import UserError, describe
-from inflight.launch.ray.placement import free_port
 
 T = TypeVar("T")
 COLLECTIVE_FAILURE_WAIT_S = 30.0  # after a collective broke here, how long the other ranks get to say why
@@ -22,19 +21,21 @@ class TrainerRank:
     0), stepping on every batch rank 0 steps on, over its share of it."""
 
     def start(
-        self, cfg: RunConfig, weights: dict[str, Any], rank: int, world_size: int, init_method: str
+        self, cfg: RunConfig, weights: dict[str, Any], rank: int, world_size: int, rendezvous: tuple[str, int]
     ) -> None:
+        """Join rank 0's group at `rendezvous` (the host and port its store listens on)."""
         import torch
 
         from inflight.orchestrator.setup import load_policy, pad_id, run_trainer_config
-        from inflight.trainer.distributed import init_data_parallel
+        from inflight.trainer.distributed import init_data_parallel, tcp_rendezvous
 
         torch.set_num_threads(max(1, int(cfg.ray.trainer_cpus)))
         model, tokenizer = load_policy(cfg)
         model.load_state_dict(weights)
         config = run_trainer_config(cfg.trainer, cfg.grpo.steps)
         timeout_s = cfg.ray.trainer_collective_timeout_s
-        group = init_data_parallel(rank, world_size, init_method, config.device, timeout_s)
+        store = tcp_rendezvous(*rendezvous, rank, world_size, timeout_s)
+        group = init_data_parallel(rank, world_size, store, config.device, timeout_s)
         self.trainer = _rank_trainer(cfg, model, config, group, pad_id(tokenizer))
 
     def train_step(self, samples: list[Any]) -> int:
@@ -80,21 +81,22 @@ class RankedTrainer:
         import ray
 
         from inflight.orchestrator.setup import pad_id, run_trainer_config
-        from inflight.trainer.distributed import init_data_parallel
+        from inflight.trainer.distributed import init_data_parallel, tcp_rendezvous
 
         self._ray, self._ranks, self._run_dir = ray, ranks, cfg.run_dir
         self._sharded = cfg.ray.trainer_sharding == "fsdp"
-        host, port = free_port()
-        init_method, world_size = f"tcp://{host}:{port}", len(ranks) + 1
+        world_size, timeout_s = len(ranks) + 1, cfg.ray.trainer_collective_timeout_s
+        # Rank 0's store listens before any other rank is told where: on a port the OS assigned it.
+        host = ray.util.get_node_ip_address()
+        self._store = tcp_rendezvous(host, 0, 0, world_size, timeout_s)
         weights = ray.put({name: t.detach().cpu() for name, t in model.state_dict().items()})
         # The other ranks join first (asynchronously): joining the group waits for every rank.
+        rendezvous = (host, self._store.port)
         started = [
-            rank.start.remote(cfg, weights, k, world_size, init_method) for k, rank in enumerate(ranks, 1)
+            rank.start.remote(cfg, weights, k, world_size, rendezvous) for k, rank in enumerate(ranks, 1)
         ]
         config = run_trainer_config(cfg.trainer, cfg.grpo.steps)
-        group = init_data_parallel(
-            0, world_size, init_method, config.device, cfg.ray.trainer_collective_timeout_s
-        )
+        group = init_data_parallel(0, world_size, self._store, config.device, timeout_s)
         self._local = _rank_trainer(cfg, model, config, group, pad_id(tokenizer))
         self._get(started)
         self.config = config
