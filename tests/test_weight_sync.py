@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from inflight.weight_sync.torch_dist import (
     TorchDistPublisher,
     TorchDistReceiver,
     TorchDistSyncConfig,
+    listen,
     plan_buckets,
 )
 
@@ -167,31 +169,36 @@ def test_bucket_plan_covers_every_tensor_once_per_dtype_within_the_size() -> Non
 BUCKET_MB = 0.5  # the tiny model is ~6 MB of float32: about a dozen buckets
 
 
-def _gloo_rank(rank: int, port: int, model_dir: str) -> None:
-    torch.set_num_threads(1)
-    config = TorchDistSyncConfig(port=port, world_size=3, bucket_mb=BUCKET_MB, timeout_s=60)
+def _plan(model_dir: str) -> list[tuple[int, dict[str, torch.Tensor]]]:
     weights = tiny_weights(Path(model_dir))
-    plan = [(1, weights), (2, perturbed(weights, 2)), (3, mixed_dtypes())]
-    if rank == 0:
-        with TorchDistPublisher(config) as publisher:
-            for version, state in plan:
-                stats = publisher.publish(state, version)
-                assert stats.version == version and stats.transfer_s > 0
-                if version == 1:
-                    assert stats.num_buckets > 1, stats
-    else:
-        with TorchDistReceiver(config, rank) as receiver:
-            for version, state in plan:
-                # A slow receiver may skip to a newer version; here each is awaited in turn.
-                assert_same(receiver.wait(min_version=version, timeout_s=60), state, version)
+    return [(1, weights), (2, perturbed(weights, 2)), (3, mixed_dtypes())]
+
+
+def _gloo_receiver(index: int, config: dict[str, Any], model_dir: str) -> None:
+    torch.set_num_threads(1)
+    with TorchDistReceiver(TorchDistSyncConfig(**config), rank=index + 1) as receiver:
+        for version, state in _plan(model_dir):
+            # A slow receiver may skip to a newer version; here each is awaited in turn.
+            assert_same(receiver.wait(min_version=version, timeout_s=60), state, version)
 
 
 def test_gloo_broadcast_moves_weights_exactly_to_every_inference_rank(tiny_model_dir: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # spawn raises with the failing rank's traceback if any rank's assertions fail.
-    mp.spawn(_gloo_rank, args=(port, str(tiny_model_dir)), nprocs=3, join=True)
+    """The publisher here (its store listening, on a port the OS assigned, before the receivers are told
+    it), two receivers in processes of their own."""
+    store = listen("127.0.0.1", 3, timeout_s=60)
+    config = TorchDistSyncConfig(port=store.port, world_size=3, bucket_mb=BUCKET_MB, timeout_s=60)
+    receivers = mp.spawn(
+        _gloo_receiver, args=(config.model_dump(), str(tiny_model_dir)), nprocs=2, join=False
+    )
+    with TorchDistPublisher(config, store) as publisher:
+        for version, state in _plan(str(tiny_model_dir)):
+            stats = publisher.publish(state, version)
+            assert stats.version == version and stats.transfer_s > 0
+            if version == 1:
+                assert stats.num_buckets > 1, stats
+    deadline = time.monotonic() + 120
+    while not receivers.join(timeout=1.0):  # raises with the traceback of a receiver that failed
+        assert time.monotonic() < deadline, "the receivers did not finish within 120 s"
 
 
 def test_a_receiver_without_a_publisher_times_out_with_a_clear_message() -> None:

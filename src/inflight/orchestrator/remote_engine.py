@@ -35,7 +35,7 @@ from inflight.inference.adapter_files import write_adapter_dir
 from inflight.inference.client import BalancedClient, EngineClient, NoReplicaAvailableError, weights_bytes
 from inflight.types import AdapterUpdate, Completion, SampleRequest, WeightUpdate
 from inflight.weight_sync.filesystem import FilesystemPublisher, FilesystemSyncConfig, weights_path
-from inflight.weight_sync.torch_dist import TorchDistPublisher, TorchDistSyncConfig
+from inflight.weight_sync.torch_dist import TorchDistPublisher, TorchDistSyncConfig, listen
 
 log = logging.getLogger(__name__)
 BROADCAST_TIMEOUT_S = 60.0  # joining the broadcast group, and each publish's collectives
@@ -232,14 +232,13 @@ class RemoteEngines:
     def _join_broadcast(self) -> TorchDistPublisher:
         assert self._client is not None
         host = _address_toward(self.urls[0])
-        with socket.socket() as sock:  # a free port for the group's store, released for it to take
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        self._wait(self._client.join_weight_broadcast(host, port, BROADCAST_TIMEOUT_S))
+        world_size = len(self.urls) + 1
+        store = listen(host, world_size, BROADCAST_TIMEOUT_S)  # on a port the OS assigned
+        self._wait(self._client.join_weight_broadcast(host, store.port, BROADCAST_TIMEOUT_S))
         config = TorchDistSyncConfig(
-            host=host, port=port, world_size=len(self.urls) + 1, timeout_s=BROADCAST_TIMEOUT_S
+            host=host, port=store.port, world_size=world_size, timeout_s=BROADCAST_TIMEOUT_S
         )
-        return TorchDistPublisher(config)  # returns once every replica joined
+        return TorchDistPublisher(config, store)  # returns once every replica joined
 
     async def _until_live(self, version: int) -> None:
         assert self._client is not None

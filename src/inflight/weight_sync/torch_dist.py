@@ -96,12 +96,22 @@ def _unpack(flat: torch.Tensor, bucket: dict[str, Any]) -> dict[str, torch.Tenso
     return out
 
 
-def _connect(config: TorchDistSyncConfig, rank: int) -> tuple[dist.PrefixStore, dist.ProcessGroupGloo]:
+def listen(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store, listening on `host` at a port the OS assigns (`.port`, for the receivers' config),
+    before any receiver is told where: no window in which another process takes a port probed free."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+def _connect(
+    config: TorchDistSyncConfig, rank: int, store: dist.TCPStore | None = None
+) -> tuple[dist.PrefixStore, dist.ProcessGroupGloo]:
     timeout = datetime.timedelta(seconds=config.timeout_s)
     try:
-        store = dist.TCPStore(
-            config.host, config.port, config.world_size, is_master=rank == 0, timeout=timeout
-        )
+        if store is None:
+            store = dist.TCPStore(
+                config.host, config.port, config.world_size, is_master=rank == 0, timeout=timeout
+            )
         prefixed = dist.PrefixStore(_PREFIX, store)
         group = dist.ProcessGroupGloo(prefixed, rank, config.world_size, timeout)
     except (RuntimeError, dist.DistError) as e:
@@ -122,11 +132,12 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
 
 
 class TorchDistPublisher(WeightPublisher):
-    """Rank 0. Construct it at the same time as the receivers: joining the group waits for all ranks."""
+    """Rank 0. Construct it at the same time as the receivers: joining the group waits for all ranks.
+    `store`: the store `listen` opened at `config`'s host and port (else one is opened there now)."""
 
-    def __init__(self, config: TorchDistSyncConfig) -> None:
+    def __init__(self, config: TorchDistSyncConfig, store: dist.TCPStore | None = None) -> None:
         self.config = config
-        self._store, self._group = _connect(config, rank=0)
+        self._store, self._group = _connect(config, rank=0, store=store)
         self._seq = 0
         self._layouts: dict[str, int] = {}  # layout JSON -> id already in the store
         self._last_version: int | None = None
