@@ -37,6 +37,7 @@ from inflight.errors import UserError
 from inflight.inference.access import API_KEY_ENV
 from inflight.inference.scratch import ScratchDirectory
 from inflight.launch.ray import RAY_MISSING, bundles
+from inflight.launch.ray.replicas import replica_socket
 from inflight.orchestrator.target import resolve_target
 from inflight.trainer.checkpoint import checkpoint_step
 
@@ -824,6 +825,22 @@ def test_placement_bundles_follow_the_devices() -> None:
         {"CPU": 0.25},
         {"CPU": 0.25},
     ]
+
+
+def test_a_replica_whose_picked_port_was_taken_listens_elsewhere_unless_it_was_restarted() -> None:
+    """The port is picked on the replica's node before its actor starts: taken meanwhile, a first start
+    listens on another one (its URL is not out yet); a restarted replica must come back on its own, which
+    its clients keep, and says so in one line when it cannot."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with replica_socket("127.0.0.1", port, restarted=False) as sock:
+            assert sock.getsockname()[1] not in (0, port)
+        with pytest.raises(UserError, match=rf"cannot listen on its port {port} on 127\.0\.0\.1 again"):
+            replica_socket("127.0.0.1", port, restarted=True)
+    with replica_socket("127.0.0.1", port, restarted=True) as sock:  # released: the same port again
+        assert sock.getsockname()[1] == port
 
 
 def test_without_ray_installed_the_launcher_says_how_to_get_it(

@@ -8,6 +8,8 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,6 +176,29 @@ def test_a_child_that_dies_is_reported_with_its_exit_code(tiny_model_dir: Path) 
             child.train_step(make_grouped_samples(2, 2, VOCAB))
     finally:
         child.close()
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The fork server's child imports the script again; unguarded, it starts one more trainer there,
+    which multiprocessing refuses: the error here names the cause and the fix, not only exit code 1."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from inflight.models import load_model\n"
+        "from inflight.trainer import TrainerConfig\n"
+        "from inflight.trainer.process import TrainerProcess, TrainerProcessError\n"
+        "try:\n"
+        f"    TrainerProcess(load_model({str(tiny_model_dir)!r}), TrainerConfig(), threads=1).close()\n"
+        "except TrainerProcessError as exc:\n"
+        "    print('ERROR', exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("ERROR")]
+    assert "died during `start` with exit code 1" in line
+    assert f"main module again ({script})" in line and 'if __name__ == "__main__":' in line
+    assert "bootstrapping phase" in done.stderr  # Python's own message, which the line points to
 
 
 def test_auto_gives_the_pipeline_a_trainer_process_on_a_multicore_cpu(

@@ -32,6 +32,7 @@ in `BodySizeLimitMiddleware`, 408/413), and the handlers tokenize on a thread of
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -379,16 +380,18 @@ def _add_engine_routes(app: FastAPI, service: EngineService) -> None:
 
 class ServerThread:
     """`app` (from `create_app`) served by uvicorn from a thread of this process, on a socket bound before it
-    starts (port 0: a free one), with its head deadline: the engine's HTTP face inside a process that has
-    other work, e.g. a Ray replica or the tests that hold it to the Engine contract. `stop()` ends it, and
-    the app's lifespan stops its engine loop."""
+    starts (port 0: a free one; or `sock`, bound and listening already), with its head deadline: the
+    engine's HTTP face inside a process that has other work, e.g. a Ray replica or the tests that hold it
+    to the Engine contract. `stop()` ends it, and the app's lifespan stops its engine loop."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None
+    ) -> None:
         import uvicorn
 
         from inflight.preflight import bind_port
 
-        self._socket = bind_port(host, port)
+        self._socket = bind_port(host, port) if sock is None else sock
         self.port = int(self._socket.getsockname()[1])
         self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(

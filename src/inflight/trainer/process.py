@@ -31,6 +31,7 @@ import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -226,11 +227,13 @@ class TrainerProcess:
 
     def _died(self, when: str) -> str:
         self._process.join(timeout=1.0)
-        return (
-            f"the trainer process (pid {self._process.pid}) died {when} with exit code "
-            f"{self._process.exitcode} (a negative code is the signal that killed it: -9 is often the "
-            "kernel's out-of-memory killer)"
+        code = self._process.exitcode
+        why = (
+            _unguarded_main_hint()
+            if when == "during `start`" and code == 1
+            else "a negative code is the signal that killed it: -9 is often the kernel's out-of-memory killer"
         )
+        return f"the trainer process (pid {self._process.pid}) died {when} with exit code {code} ({why})"
 
     def close(self) -> None:
         """Stop the child (it finishes the call it is in, if any, within a few seconds, or is killed)."""
@@ -241,6 +244,20 @@ class TrainerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unguarded_main_hint() -> str:
+    """Why a child fails as it starts, when the traceback on stderr is Python's and not ours: the fork
+    server's child imports this program's main module again before it runs `_serve`, so a script whose
+    top level starts a run starts one more there, which multiprocessing refuses (exit code 1)."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    where = f" ({script})" if script else ""
+    return (
+        "its error is on stderr above; the child imports this program's main module again"
+        f"{where}, so a script that starts a run must keep its top-level code under "
+        '`if __name__ == "__main__":`'
+    )
 
 
 def _stop_child(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,6 +29,7 @@ from inflight.launch.ray.placement import (
     ready_within,
     reserve,
 )
+from inflight.preflight import bind_port
 
 if TYPE_CHECKING:
     from inflight.inference.backends import VllmOptions
@@ -101,10 +103,16 @@ class EngineReplica:
     ) -> None:
         self.node = host
         threads = max(1, int(cfg.ray.engine_cpus))
+        import ray
+
+        restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        sock = replica_socket(host, port, restarted)  # before the model loads: the port is held from here
         if cfg.engine.backend == "vllm":
             from inflight.launch.engine_process import EngineProcess
 
             assert cfg.model.path, "run_on_ray and engines_on_ray resolve the model to a directory"
+            port = int(sock.getsockname()[1])
+            sock.close()  # vLLM's server binds it in its own process, a moment later
             self.process: EngineProcess | None = EngineProcess(
                 cfg.model.path,
                 backend="vllm",
@@ -139,7 +147,7 @@ class EngineReplica:
             model_name=str(cfg.model.path), weights_dir=weights_dir, api_keys=[key] if key else []
         )
         app = create_app(engine, load_tokenizer(str(cfg.model.path)), server_cfg, generation_stop_ids(model))
-        self.process, self.server = None, ServerThread(app, host=host, port=port).start()
+        self.process, self.server = None, ServerThread(app, host=host, sock=sock).start()
         self.url = self.server.url
         freeze_long_lived()  # the actor's process lives as long as this engine (gc_tuning.py)
 
@@ -160,7 +168,8 @@ def start_replica(
     vllm: VllmOptions | None = None,
 ) -> Any:
     """An `EngineReplica` actor on bundle `index`, serving on a port picked on that node now (so that a
-    replica Ray restarts comes back at the same URL)."""
+    replica Ray restarts comes back at the same URL; one taken before the actor binds it is replaced by
+    another at its first start: `replica_socket`)."""
     port_task = ray.remote(free_port).options(num_cpus=0, scheduling_strategy=bundle_strategy(group, index))
     host, port = ray.get(port_task.remote())
     gpus = bundle.get("GPU", 0.0)
@@ -172,6 +181,22 @@ def start_replica(
         scheduling_strategy=bundle_strategy(group, index),
         runtime_env=engine_key_env(),
     ).remote(for_actor(cfg, gpus), host, port, weights_dir, vllm)
+
+
+def replica_socket(host: str, port: int, restarted: bool) -> socket.socket:
+    """The replica's listening socket on `port`, the port picked for it on its node before the actor
+    started. Something else may have taken that port meanwhile: at the actor's first start its URL is not
+    out yet (`info()` gives it), so any free port will do; an actor Ray restarted must come back on its
+    own port, which its clients keep (one line naming the port when it cannot)."""
+    try:
+        return bind_port(host, port)
+    except UserError:
+        if restarted:
+            raise UserError(
+                f"the restarted engine replica cannot listen on its port {port} on {host} again (in use "
+                "now): its clients keep that URL; stop what took the port"
+            ) from None
+        return bind_port(host, 0)
 
 
 def replica_infos(
