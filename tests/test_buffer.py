@@ -305,6 +305,28 @@ def test_active_sampling_lets_flat_groups_through_once_the_batch_budget_is_spent
         RolloutBuffer(groups_per_step=2, max_staleness_steps=None, max_filtered_per_batch=-1)
 
 
+def test_put_if_filtered_takes_only_what_put_would_filter_and_counts_it_as_put_does() -> None:
+    """A producer asks before it records a group: the buffer takes (and counts) one that put() would
+    filter, within the batch's budget, and leaves every other group to the stream and put()."""
+    buffer = RolloutBuffer(groups_per_step=2, max_staleness_steps=None, max_filtered_per_batch=2)
+    flat = [make_group([[0], [0]], [1.0, 1.0], f"flat-{i}") for i in range(3)]
+    for _ in range(5):  # the three flat groups, "a" and "b"
+        assert buffer.admit(0, 0)
+    assert buffer.put_if_filtered(flat[0]) and buffer.put_if_filtered(flat[1])
+    assert not buffer.put_if_filtered(informative(0, "a"))  # informative: for the stream, then put()
+    assert not buffer.put_if_filtered(flat[2])  # the budget is spent: put() lets it through
+    assert buffer.counters.filtered == 2 and buffer.counters.put == 2 and buffer.counters.filter_passed == 0
+    assert len(buffer._in_flight_floors) == 3  # the two it took are no longer in flight
+    for group in (flat[2], informative(0, "a"), informative(0, "b")):
+        buffer.put(group)
+    assert [g.group_id for g in buffer.get_batch(0, timeout_s=1.0)] == ["flat-2", "a"]
+    assert buffer.counters.filter_passed == 1 and buffer.counters.put == 5
+    # Every rollout drawn, taken early or put, is in the policy's reward mean.
+    assert len(buffer.take_drawn()) == 5 * 2
+    off = RolloutBuffer(groups_per_step=2, max_staleness_steps=None, active_sampling=False)
+    assert off.admit(0, 0) and not off.put_if_filtered(flat[0])
+
+
 def test_a_skipped_step_lets_an_on_policy_buffer_admit_again() -> None:
     """With k = 0, a step that trained nothing leaves the trainer (and engine) at the same version."""
     buffer = RolloutBuffer(groups_per_step=2, max_staleness_steps=0, active_sampling=False)

@@ -130,6 +130,11 @@ def test_bounded_staleness_runs_ahead_but_never_past_the_bound(tmp_path: Path, w
     assert last["engine/update_pause_s_max"] >= last["engine/update_pause_s_mean"] > 0
     assert "engine/stale_kv_token_frac" in last
     saved = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())["pipeline"]
+    # The groups active sampling filtered never reached the stream: it held (offsets 0..read_offset read)
+    # exactly the groups put into the buffer less those.
+    counters = saved["buffer"]["counters"]
+    assert counters["filtered"] >= 1  # BlackJack's naturals alone make some groups flat
+    assert saved["read_offset"] + 1 == counters["put"] - counters["filtered"]
     with open_stream(stream_url) as stream:  # the final checkpoint trimmed it to its offset
         with pytest.raises(TrimmedError):
             stream.read(saved["read_offset"] - 1, 1, 0.0)

@@ -147,6 +147,18 @@ class RolloutBuffer:
             self._pop_in_flight("put")
             self._accept(group)
 
+    def put_if_filtered(self, group: RolloutGroup) -> bool:
+        """Deliver the group of an admitted prompt now if `put` would filter it (active sampling, within the
+        batch's budget), counted as `put` counts it; True if it did. A producer asks before it records the
+        group anywhere (the result stream), so that a group nobody trains on is never written and read back:
+        with the tiny model's BlackJack over half of the groups played."""
+        with self._changed:
+            if not self._filters(group):
+                return False
+            self._pop_in_flight("put")
+            self._accept(group)
+            return True
+
     def put_recovered(self, group: RolloutGroup) -> None:
         """After a restart: a group whose prompt was in flight when the state was saved (it is counted in
         `lost_on_resume`, not in flight). Same filters as `put`."""
@@ -253,17 +265,25 @@ class RolloutBuffer:
 
     # -- internals (caller holds self._changed) -------------------------------------------------
 
+    def _filters(self, group: RolloutGroup) -> bool:
+        """Would `_accept` drop this group as uninformative now (active sampling, the batch's budget left)?"""
+        budget = self.max_filtered_per_batch
+        return (
+            self.active_sampling
+            and not group.is_informative
+            and (budget is None or self._filtered_this_batch < budget)
+        )
+
     def _accept(self, group: RolloutGroup) -> None:
         self.counters.put += 1
         self._drawn.extend(group.rollouts)
         floor = _version_floor(group)
-        budget = self.max_filtered_per_batch
+        if self._filters(group):
+            self.counters.filtered += 1
+            self._filtered_this_batch += 1
+            self._changed.notify_all()
+            return
         if self.active_sampling and not group.is_informative:
-            if budget is None or self._filtered_this_batch < budget:
-                self.counters.filtered += 1
-                self._filtered_this_batch += 1
-                self._changed.notify_all()
-                return
             self.counters.filter_passed += 1
         if self._too_stale(floor, self._next_version):
             self.counters.stale_dropped += 1

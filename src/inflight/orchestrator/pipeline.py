@@ -23,7 +23,9 @@ be thrown away for being stale. With the bound at 0 and active sampling off, eve
 by the weights of the step that trains on it: the sync loop's samples, step for step.
 
 A group is admitted once and enters the buffer once: a record for a problem no longer in flight (played
-twice because its worker died after writing it) is skipped and counted (`stream_duplicates`).
+twice because its worker died after writing it) is skipped and counted (`stream_duplicates`). A group
+played here that active sampling would filter goes to the buffer (to be counted) and not to the stream:
+nobody trains on it, and writing it and reading it back cost more than half the stream's work on BlackJack.
 
 Resume: a checkpoint holds trainer + optimizer + step, the result stream's read offset, the buffered
 groups and the problems in flight. A restart with the same run directory re-reads the stream past the
@@ -227,12 +229,15 @@ class _Pipeline:
             if played.appended:  # the worker wrote it to the stream the reader reads
                 return
             group = RolloutGroup(str(k), played.rollouts)
-        if not is_playable(group):
-            with self.state.lock:
+        with self.state.lock:
+            if not is_playable(group):
                 self.state.groups_dropped_errors += 1
                 self.state.in_flight.discard(k)
                 self.buffer.cancel()
-            return
+                return
+            if self.buffer.put_if_filtered(group):  # uninformative: never written to the stream, nor read
+                self.state.in_flight.discard(k)
+                return
         self.stream.append(group_record(k, group))
 
     async def produce(self, stop: asyncio.Event) -> None:
