@@ -197,7 +197,7 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model_dir: Path, 
     assert done.returncode == 0, done.stderr
     (line,) = [x for x in done.stdout.splitlines() if x.startswith("ERROR")]
     assert "died during `start` with exit code 1" in line
-    assert f"main module again ({script})" in line and 'if __name__ == "__main__":' in line
+    assert f"main module ({script}) again" in line and 'if __name__ == "__main__":' in line
     assert "bootstrapping phase" in done.stderr  # Python's own message, which the line points to
 
 

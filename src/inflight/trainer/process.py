@@ -199,7 +199,7 @@ class TrainerProcess:
     def _call(self, name: str, *args: Any) -> tuple[Any, int]:
         """(the child's return value, its trainer's version after the call)."""
         if not self._process.is_alive():
-            raise TrainerProcessError(self._died("before `" + name + "`"))
+            raise TrainerProcessError(self._died(name, "before"))
         self._conn.send((name, args))
         return self._wait(name, None)
 
@@ -209,7 +209,7 @@ class TrainerProcess:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._conn.poll(_POLL_S):
             if not self._process.is_alive():
-                raise TrainerProcessError(self._died(f"during `{name}`"))
+                raise TrainerProcessError(self._died(name, "during"))
             if deadline is not None and time.monotonic() > deadline:
                 self.close()
                 raise TrainerProcessError(
@@ -218,22 +218,23 @@ class TrainerProcess:
         try:
             ok, value = self._conn.recv()
         except (EOFError, OSError):
-            raise TrainerProcessError(self._died(f"during `{name}`")) from None
+            raise TrainerProcessError(self._died(name, "during")) from None
         if not ok:
             if isinstance(value, UserError):
                 raise value
             raise TrainerProcessError(f"the trainer process failed `{name}`:\n{value}")
         return value
 
-    def _died(self, when: str) -> str:
+    def _died(self, call: str, when: str) -> str:
         self._process.join(timeout=1.0)
         code = self._process.exitcode
         why = (
             _unguarded_main_hint()
-            if when == "during `start`" and code == 1
+            if call == "start" and code == 1
             else "a negative code is the signal that killed it: -9 is often the kernel's out-of-memory killer"
         )
-        return f"the trainer process (pid {self._process.pid}) died {when} with exit code {code} ({why})"
+        pid = self._process.pid
+        return f"the trainer process (pid {pid}) died {when} `{call}` with exit code {code} ({why})"
 
     def close(self) -> None:
         """Stop the child (it finishes the call it is in, if any, within a few seconds, or is killed)."""
@@ -247,16 +248,16 @@ class TrainerProcess:
 
 
 def _unguarded_main_hint() -> str:
-    """Why a child fails as it starts, when the traceback on stderr is Python's and not ours: the fork
-    server's child imports this program's main module again before it runs `_serve`, so a script whose
-    top level starts a run starts one more there, which multiprocessing refuses (exit code 1)."""
-    main = sys.modules.get("__main__")
-    script = getattr(main, "__file__", None)
+    """A child that exits with code 1 as it starts failed before `_serve` could report anything: its
+    traceback is on stderr. The usual cause is Python's, and it has one fix: the fork server's child
+    imports this program's main module again first, so a script whose top level starts a run starts one
+    more there, which multiprocessing refuses ("bootstrapping phase")."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
     where = f" ({script})" if script else ""
     return (
-        "its error is on stderr above; the child imports this program's main module again"
-        f"{where}, so a script that starts a run must keep its top-level code under "
-        '`if __name__ == "__main__":`'
+        "its error is on stderr above; if it names multiprocessing's bootstrapping phase, the child imported "
+        f"this program's main module{where} again and it started one more run there: keep a script's "
+        'top-level code under `if __name__ == "__main__":`'
     )
 
 
